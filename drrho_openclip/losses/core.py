@@ -1,0 +1,306 @@
+"""The DRO contrastive core that every loss of the family is composed from.
+
+A loss is four choices over the same computation, per anchor i and direction (image→text, text→image):
+
+- pairwise loss:   ℓ_ij = s_ij − s_ii, optionally RHO-shifted by a reference model: ℓ̂_ij = ℓ_ij − (s^ref_ij − s^ref_ii)
+- aggregation:     KL-DRO over the candidates j ≠ i:  F_i = τ_i · log(ε + g_i),  g_i = mean_{j≠i} exp(ℓ̂_ij / τ_i)
+- temperature:     fixed, the model's learnable logit_scale, per sample, or predicted by a network
+- per-sample state: SogCLR's moving average u_i ≈ g_i (inner learning rate γ), or none (u_i = the mini-batch g_i)
+
+The gradient is the SogCLR estimator: ∇F_i ≈ τ_i ∇g_i / (ε + u_i), i.e. pair weights exp(ℓ̂_ij/τ_i)/(ε + u_i).
+Anchors are this rank's samples, candidates are the global batch gathered *with* gradient (OpenCLIP's
+`--local-loss --gather-with-grad` semantics); DDP's gradient averaging then yields the gradient of the global mean.
+
+Only torch is needed here: nothing in this module knows about OpenCLIP's training loop.
+"""
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn
+from torch import nn
+
+
+def gather_batch(tensor: torch.Tensor, world_size: int, with_grad: bool) -> torch.Tensor:
+    """Concatenate `tensor` from every rank in rank order (the global batch)."""
+    if world_size == 1:
+        return tensor
+    if with_grad:
+        # the backward pass sums the gradients of all ranks onto each rank's slice
+        return torch.cat(torch.distributed.nn.all_gather(tensor), dim=0)
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
+    """[b, B] boolean mask of each anchor's own pair, which sits at column offset + i."""
+    rows = torch.arange(num_anchors, device=device)
+    mask = torch.zeros(num_anchors, num_candidates, dtype=torch.bool, device=device)
+    mask[rows, rows + offset] = True
+    return mask
+
+
+def pairwise_loss(anchors, candidates, offset, ref_anchors=None, ref_candidates=None):
+    """ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), a [b, B] matrix (the reference term only when given)."""
+    sim = anchors @ candidates.T
+    b = anchors.shape[0]
+    ell = sim - sim[:, offset:offset + b].diagonal()[:, None]
+    if ref_anchors is not None:
+        ref_sim = ref_anchors @ ref_candidates.T
+        ell = ell - (ref_sim - ref_sim[:, offset:offset + b].diagonal()[:, None])
+    return ell, sim
+
+
+def log_mean_exp_rows(
+        anchors: torch.Tensor,
+        candidates: torch.Tensor,
+        offset: int,
+        inv_tau: torch.Tensor,
+        ref_anchors: Optional[torch.Tensor] = None,
+        ref_candidates: Optional[torch.Tensor] = None,
+        negative_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
+    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]) for every anchor row, differentiable.
+
+    `inv_tau` is a scalar or a [b] tensor. `negative_log_weight(sim, positive_mask)` returns detached [b, B]
+    log-weights of the candidates (e.g. ADNCE); it sees the raw similarities.
+    """
+    ell, sim = pairwise_loss(anchors, candidates, offset, ref_anchors, ref_candidates)
+    inv_tau = inv_tau.reshape(-1, 1) if inv_tau.dim() else inv_tau
+    logits = ell * inv_tau
+    mask = positive_mask(anchors.shape[0], candidates.shape[0], offset, anchors.device)
+    if negative_log_weight is not None:
+        logits = logits + negative_log_weight(sim.detach(), mask)
+    logits = logits.masked_fill(mask, float('-inf'))
+    return torch.logsumexp(logits, dim=1) - math.log(candidates.shape[0] - 1)
+
+
+def gamma_at_epoch(epoch: int, gamma_min: float, decay_epochs: int) -> float:
+    """SogCLR's inner learning rate: 1 in epoch 0 (u starts at the mini-batch estimate), then a cosine
+    from 1 down to gamma_min over `decay_epochs` epochs, then gamma_min."""
+    if epoch == 0:
+        return 1.0
+    if epoch >= decay_epochs:
+        return gamma_min
+    return gamma_min + 0.5 * (1 + math.cos(math.pi * epoch / decay_epochs)) * (1 - gamma_min)
+
+
+class MovingAverageState(nn.Module):
+    """SogCLR's per-sample estimators u (one table per direction), kept in log space.
+
+    At τ = 0.01 the shifted loss reaches ±4, so exp(ℓ̂/τ) overflows float32 by far: log u does not.
+    NaN marks a sample that has not been seen yet; its first estimate is taken as is.
+    The tables are replicated on every rank and updated with the all-gathered rows of the step, so that
+    rank 0's checkpoint holds the whole state.
+    """
+
+    def __init__(self, num_samples: int, gamma: float, gamma_decay_epochs: int, world_size: int = 1):
+        super().__init__()
+        if num_samples <= 0:
+            raise ValueError(f"per-sample state needs the dataset size, got num_samples={num_samples}")
+        self.gamma_min = gamma
+        self.gamma_decay_epochs = gamma_decay_epochs
+        self.world_size = world_size
+        self.gamma = 1.0
+        self.register_buffer('log_u_image', torch.full((num_samples,), float('nan')))
+        self.register_buffer('log_u_text', torch.full((num_samples,), float('nan')))
+
+    def set_epoch(self, epoch: int):
+        self.gamma = gamma_at_epoch(epoch, self.gamma_min, self.gamma_decay_epochs)
+
+    def _moving_average(self, log_u_old, log_g):
+        if self.gamma == 1.0:
+            return log_g
+        new = torch.logaddexp(log_u_old + math.log(1 - self.gamma), log_g + math.log(self.gamma))
+        return torch.where(torch.isnan(log_u_old), log_g, new)
+
+    @torch.no_grad()
+    def update(self, index: torch.Tensor, log_g_image: torch.Tensor, log_g_text: torch.Tensor
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """u_i ← (1−γ) u_i + γ g_i for this rank's rows; returns the new log u of those rows."""
+        if index.max() >= self.log_u_image.numel() or index.min() < 0:
+            raise IndexError(
+                f"sample index {int(index.max())} is outside the per-sample state of size {self.log_u_image.numel()}: "
+                f"the dataset is larger than the one the state was sized for")
+        table_index = index.to(self.log_u_image.device)
+        new_image = self._moving_average(self.log_u_image[table_index].to(log_g_image), log_g_image.float())
+        new_text = self._moving_average(self.log_u_text[table_index].to(log_g_text), log_g_text.float())
+        # one collective for index and values; float64 holds indices exactly up to 2**53
+        rows = torch.stack([index.double(), new_image.double(), new_text.double()], dim=1)
+        rows = gather_batch(rows, self.world_size, with_grad=False)
+        all_index = rows[:, 0].long().to(self.log_u_image.device)
+        self.log_u_image[all_index] = rows[:, 1].to(self.log_u_image)
+        self.log_u_text[all_index] = rows[:, 2].to(self.log_u_text)
+        return new_image, new_text
+
+
+def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) -> torch.Tensor:
+    """A per-anchor term whose value is log(ε + u_i) and whose gradient is ∇g_i / (ε + u_i).
+
+    log(ε + g_i) carries the gradient ∇g_i / (ε + g_i); rescaling it by r_i = (ε + g_i)/(ε + u_i) gives the
+    SogCLR estimator. The detached remainder only fixes the value (and the τ-derivative, which must see
+    log(ε + u_i) rather than r_i·log(ε + g_i)). With u = g (γ = 1) this is exactly log(ε + g_i).
+    """
+    log_eps_g = torch.logaddexp(log_g, torch.full_like(log_g, log_eps))
+    log_eps_u = torch.logaddexp(log_u, torch.full_like(log_u, log_eps))
+    ratio = torch.exp(log_eps_g.detach() - log_eps_u)
+    return ratio * log_eps_g + (log_eps_u - ratio * log_eps_g).detach()
+
+
+class DROContrastiveLoss(nn.Module):
+    """Bimodal KL-DRO contrastive loss with an optional reference shift and per-sample state.
+
+    Returns {'contrastive_loss': L} with L = mean_i [τ F_image_i + τ F_text_i] + ρ(τ_image + τ_text), where F uses
+    u (so its value is the SogCLR estimate of the objective, exactly the mini-batch objective when γ = 1).
+    """
+
+    def __init__(
+            self,
+            temperature: nn.Module,
+            epsilon: float,
+            rho: float = 0.0,
+            state: Optional[MovingAverageState] = None,
+            use_reference: bool = False,
+            negative_log_weight=None,
+            rank: int = 0,
+            world_size: int = 1,
+            row_aggregate: Callable = log_mean_exp_rows,
+    ):
+        super().__init__()
+        if epsilon <= 0:
+            raise ValueError(f"epsilon must be > 0, got {epsilon}")
+        self.temperature = temperature
+        self.log_eps = math.log(epsilon)
+        self.rho = rho
+        self.state = state
+        self.use_reference = use_reference
+        self.negative_log_weight = negative_log_weight
+        self.rank = rank
+        self.world_size = world_size
+        self.row_aggregate = row_aggregate
+        self._window = None  # (accumulation window's index, its log u) while --accum-freq replays a window
+        self._last = {}
+
+    # callable (images, texts) -> (ref_image_features, ref_text_features), set for an online reference model;
+    # a plain attribute, not a submodule, so the reference weights never enter the loss's state_dict
+    reference_encoder = None
+
+    def prepare_batch(self, images, texts, extras: dict) -> dict:
+        if self.reference_encoder is None:
+            return extras
+        ref_image, ref_text = self.reference_encoder(images, texts)
+        return {**extras, 'ref_image_features': ref_image, 'ref_text_features': ref_text}
+
+    def set_epoch(self, epoch: int):
+        if self.state is not None:
+            self.state.set_epoch(epoch)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self.state is not None:
+            if 'state.log_u_image' not in state_dict:
+                raise RuntimeError(
+                    "the checkpoint holds no per-sample state (u) for this loss, so resuming would silently restart "
+                    "the SogCLR estimators; resume from a checkpoint written with the same --loss and --gamma < 1")
+            saved, expected = state_dict['state.log_u_image'].numel(), self.state.log_u_image.numel()
+            if saved != expected:
+                raise RuntimeError(f"the checkpoint's per-sample state covers {saved} samples, this run's data "
+                                   f"{expected}: resume with the same training data")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _state_rows(self, index, log_g_image, log_g_text, accum_step):
+        if self.state is None:
+            return log_g_image.detach(), log_g_text.detach()
+        if index is None:
+            raise ValueError("this loss keeps per-sample state and needs the batch's sample `index`")
+        if accum_step:  # the same window again, with gradients through another chunk: u was updated at step 0
+            window_index, log_u = self._window
+            if not torch.equal(window_index, index):
+                raise RuntimeError("gradient-accumulation window changed between accumulation steps")
+            return log_u
+        log_u = self.state.update(index, log_g_image.detach(), log_g_text.detach())
+        self._window = (index, log_u) if accum_step is not None else None
+        return log_u
+
+    def forward(self, image_features, text_features, logit_scale=None, index=None,
+                ref_image_features=None, ref_text_features=None, accum_step=None, output_dict=False):
+        if self.use_reference and (ref_image_features is None or ref_text_features is None):
+            raise ValueError("this loss shifts by the reference model: the batch carries no reference features "
+                             "(pass --ref-features DIR or --ref-model)")
+        # float32 whatever the autocast dtype: ℓ̂/τ at τ = 0.01 spans hundreds
+        with torch.autocast(image_features.device.type, enabled=False):
+            image_features, text_features = image_features.float(), text_features.float()
+            all_image = gather_batch(image_features, self.world_size, with_grad=True)
+            all_text = gather_batch(text_features, self.world_size, with_grad=True)
+            ref_image = ref_text = all_ref_image = all_ref_text = None
+            if self.use_reference:
+                ref_image, ref_text = ref_image_features.float(), ref_text_features.float()
+                all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False)
+                all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False)
+            offset = self.rank * image_features.shape[0]
+            tau_image, tau_text = self.temperature(logit_scale=logit_scale, index=index,
+                                                   image_features=image_features, text_features=text_features)
+            log_g_image = self.row_aggregate(image_features, all_text, offset, 1.0 / tau_image,
+                                             ref_image, all_ref_text, self.negative_log_weight)
+            log_g_text = self.row_aggregate(text_features, all_image, offset, 1.0 / tau_text,
+                                            ref_text, all_ref_image, self.negative_log_weight)
+            log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
+            per_anchor = (tau_image * sogclr_estimate(log_g_image, log_u_image, self.log_eps)
+                          + tau_text * sogclr_estimate(log_g_text, log_u_text, self.log_eps))
+            loss = per_anchor.mean() + self.rho * (tau_image + tau_text).mean()
+            self._last = dict(log_g_image=log_g_image.detach(), log_g_text=log_g_text.detach(),
+                              log_u_image=log_u_image, log_u_text=log_u_text,
+                              tau_image=tau_image.detach(), tau_text=tau_text.detach())
+        return {'contrastive_loss': loss} if output_dict else loss
+
+    def objective(self) -> torch.Tensor:
+        """The mini-batch value of the objective of the last call (not the surrogate): mean_i τF_i over both
+        directions with the batch's own g_i, plus the ρ term."""
+        last = self._last
+        log_eps = torch.tensor(self.log_eps)
+        f_image = last['tau_image'] * torch.logaddexp(last['log_g_image'], log_eps.to(last['log_g_image']))
+        f_text = last['tau_text'] * torch.logaddexp(last['log_g_text'], log_eps.to(last['log_g_text']))
+        return (f_image + f_text).mean() + self.rho * (last['tau_image'] + last['tau_text']).mean()
+
+    def metrics(self) -> dict:
+        """Diagnostics of the last call, for OpenCLIP's logger (rank 0; no collectives)."""
+        if not self._last:
+            return {}
+        last = self._last
+        out = {
+            'objective': self.objective().item(),
+            'tau_image_mean': last['tau_image'].mean().item(),
+            'tau_text_mean': last['tau_text'].mean().item(),
+            'log_u_image_mean': last['log_u_image'].mean().item(),
+            'log_u_text_mean': last['log_u_text'].mean().item(),
+        }
+        if self.state is not None:
+            out['gamma'] = self.state.gamma
+            out['state_coverage'] = (~torch.isnan(self.state.log_u_image)).float().mean().item()
+        return out
+
+
+class FixedTemperature(nn.Module):
+    """A constant τ (DRRho-CLIP's default 0.01); ignores the model's logit_scale."""
+
+    def __init__(self, tau: float):
+        super().__init__()
+        if tau <= 0:
+            raise ValueError(f"temperature must be > 0, got {tau}")
+        self.tau = tau
+
+    def forward(self, logit_scale=None, **_):
+        t = torch.tensor(self.tau)
+        return t, t
+
+
+class LogitScaleTemperature(nn.Module):
+    """The model's learnable global τ = 1 / logit_scale (OpenCLIP's parameter, optimised with the model)."""
+
+    def forward(self, logit_scale=None, **_):
+        if logit_scale is None:
+            raise ValueError("a learnable temperature needs the model's logit_scale")
+        tau = 1.0 / logit_scale.float()
+        return tau, tau
+
