@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed.nn
 from torch import nn
 
+from .distill import distillation_loss
+
 
 def gather_batch(tensor: torch.Tensor, world_size: int, with_grad: bool) -> torch.Tensor:
     """Concatenate `tensor` from every rank in rank order (the global batch)."""
@@ -32,6 +34,30 @@ def gather_batch(tensor: torch.Tensor, world_size: int, with_grad: bool) -> torc
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor.contiguous())
     return torch.cat(parts, dim=0)
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 → float32 (ℓ̂/τ at τ = 0.01 spans hundreds); float32 and float64 are kept as they are."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def check_index(index: torch.Tensor, num_rows: int):
+    if index.max() >= num_rows or index.min() < 0:
+        raise IndexError(
+            f"sample index {int(index.max())} is outside the per-sample state of size {num_rows}: "
+            f"the dataset is larger than the one the state was sized for")
+
+
+@torch.no_grad()
+def write_rows(tables, index: torch.Tensor, rows, world_size: int):
+    """tables[k][index] = rows[k] with the index and rows of every rank, so that replicated per-sample tables
+    stay identical on all ranks (and rank 0's checkpoint holds the whole state)."""
+    # one collective for index and values; float64 holds indices exactly up to 2**53
+    packed = torch.stack([index.double()] + [r.double() for r in rows], dim=1)
+    packed = gather_batch(packed, world_size, with_grad=False)
+    all_index = packed[:, 0].long().to(tables[0].device)
+    for k, table in enumerate(tables):
+        table[all_index] = packed[:, k + 1].to(table)
 
 
 def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
@@ -120,19 +146,11 @@ class MovingAverageState(nn.Module):
     def update(self, index: torch.Tensor, log_g_image: torch.Tensor, log_g_text: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """u_i ← (1−γ) u_i + γ g_i for this rank's rows; returns the new log u of those rows."""
-        if index.max() >= self.log_u_image.numel() or index.min() < 0:
-            raise IndexError(
-                f"sample index {int(index.max())} is outside the per-sample state of size {self.log_u_image.numel()}: "
-                f"the dataset is larger than the one the state was sized for")
+        check_index(index, self.log_u_image.numel())
         table_index = index.to(self.log_u_image.device)
-        new_image = self._moving_average(self.log_u_image[table_index].to(log_g_image), log_g_image.float())
-        new_text = self._moving_average(self.log_u_text[table_index].to(log_g_text), log_g_text.float())
-        # one collective for index and values; float64 holds indices exactly up to 2**53
-        rows = torch.stack([index.double(), new_image.double(), new_text.double()], dim=1)
-        rows = gather_batch(rows, self.world_size, with_grad=False)
-        all_index = rows[:, 0].long().to(self.log_u_image.device)
-        self.log_u_image[all_index] = rows[:, 1].to(self.log_u_image)
-        self.log_u_text[all_index] = rows[:, 2].to(self.log_u_text)
+        new_image = self._moving_average(self.log_u_image[table_index].to(log_g_image), log_g_image)
+        new_text = self._moving_average(self.log_u_text[table_index].to(log_g_text), log_g_text)
+        write_rows([self.log_u_image, self.log_u_text], index, [new_image, new_text], self.world_size)
         return new_image, new_text
 
 
@@ -149,11 +167,35 @@ def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) ->
     return ratio * log_eps_g + (log_eps_u - ratio * log_eps_g).detach()
 
 
-class DROContrastiveLoss(nn.Module):
+class ReferenceFeatures:
+    """Mixin of every loss that reads reference features: fills them from an online reference model."""
+
+    # callable (images, texts) -> (ref_image_features, ref_text_features), set for an online reference model;
+    # a plain attribute, not a submodule, so the reference weights never enter the loss's state_dict
+    reference_encoder = None
+
+    def prepare_batch(self, images, texts, extras: dict) -> dict:
+        if self.reference_encoder is None:
+            return extras
+        ref_image, ref_text = self.reference_encoder(images, texts)
+        return {**extras, 'ref_image_features': ref_image, 'ref_text_features': ref_text}
+
+
+class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     """Bimodal KL-DRO contrastive loss with an optional reference shift and per-sample state.
 
     Returns {'contrastive_loss': L} with L = mean_i [τ F_image_i + τ F_text_i] + ρ(τ_image + τ_text), where F uses
     u (so its value is the SogCLR estimate of the objective, exactly the mini-batch objective when γ = 1).
+
+    `positive_in_denominator` replaces ε by 1/(B−1): the positive pair's own term exp(ℓ_ii/τ) = 1 joins the mean over
+    the B − 1 candidates, so τ log(1/(B−1) + g_i) = τ [log(1 + Σ_{j≠i} exp(ℓ̂_ij/τ)) − log(B−1)], CLIP's
+    softmax cross-entropy up to the factor τ and a constant.
+    With `distill_weight` λ > 0 (a global τ only), the result is {'contrastive_loss': (1−λ) L,
+    'distill_loss': λ τ KD} with KD the MobileCLIP distillation term (`distill.py`) at the student's logit scale 1/τ;
+    the factor τ (detached) puts KD in the units of the τ-scaled DRO loss, as CLIP's cross-entropy is in KD's.
+
+    A temperature source may learn outside the model's optimiser (per-sample τ): it then has a method
+    `step(objective)`, called once per optimiser step with the per-anchor objective (whose τ-gradient it uses).
     """
 
     def __init__(
@@ -167,10 +209,15 @@ class DROContrastiveLoss(nn.Module):
             rank: int = 0,
             world_size: int = 1,
             row_aggregate: Callable = log_mean_exp_rows,
+            positive_in_denominator: bool = False,
+            distill_weight: float = 0.0,
+            teacher_logit_scale: float = 100.0,
     ):
         super().__init__()
         if epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
+        if not 0 <= distill_weight <= 1:
+            raise ValueError(f"the distillation weight λ must be in [0, 1], got {distill_weight}")
         self.temperature = temperature
         self.log_eps = math.log(epsilon)
         self.rho = rho
@@ -180,18 +227,12 @@ class DROContrastiveLoss(nn.Module):
         self.rank = rank
         self.world_size = world_size
         self.row_aggregate = row_aggregate
+        self.positive_in_denominator = positive_in_denominator
+        self.distill_weight = distill_weight
+        self.teacher_logit_scale = teacher_logit_scale
         self._window = None  # (accumulation window's index, its log u) while --accum-freq replays a window
+        self._window_tau = None  # the window's temperatures, from its first call
         self._last = {}
-
-    # callable (images, texts) -> (ref_image_features, ref_text_features), set for an online reference model;
-    # a plain attribute, not a submodule, so the reference weights never enter the loss's state_dict
-    reference_encoder = None
-
-    def prepare_batch(self, images, texts, extras: dict) -> dict:
-        if self.reference_encoder is None:
-            return extras
-        ref_image, ref_text = self.reference_encoder(images, texts)
-        return {**extras, 'ref_image_features': ref_image, 'ref_text_features': ref_text}
 
     def set_epoch(self, epoch: int):
         if self.state is not None:
@@ -223,42 +264,70 @@ class DROContrastiveLoss(nn.Module):
         self._window = (index, log_u) if accum_step is not None else None
         return log_u
 
+    def _temperatures(self, logit_scale, index, image_features, text_features, accum_step):
+        if accum_step:
+            # a later call on the same window: the first call's τ, as constants. τ's gradient depends only on the
+            # window's feature values, so the first call already carried all of it (and any per-sample τ step)
+            return self._window_tau
+        tau_image, tau_text = self.temperature(logit_scale=logit_scale, index=index, image_features=image_features,
+                                               text_features=text_features)
+        tau_image, tau_text = tau_image.to(image_features), tau_text.to(image_features)
+        self._window_tau = (tau_image.detach(), tau_text.detach()) if accum_step is not None else None
+        return tau_image, tau_text
+
     def forward(self, image_features, text_features, logit_scale=None, index=None,
                 ref_image_features=None, ref_text_features=None, accum_step=None, output_dict=False):
-        if self.use_reference and (ref_image_features is None or ref_text_features is None):
-            raise ValueError("this loss shifts by the reference model: the batch carries no reference features "
+        reads_reference = self.use_reference or self.distill_weight > 0
+        if reads_reference and (ref_image_features is None or ref_text_features is None):
+            raise ValueError("this loss " + ("shifts by" if self.use_reference else "distills from") +
+                             " the reference model: the batch carries no reference features "
                              "(pass --ref-features DIR or --ref-model)")
-        # float32 whatever the autocast dtype: ℓ̂/τ at τ = 0.01 spans hundreds
         with torch.autocast(image_features.device.type, enabled=False):
-            image_features, text_features = image_features.float(), text_features.float()
+            image_features, text_features = at_least_float32(image_features), at_least_float32(text_features)
             all_image = gather_batch(image_features, self.world_size, with_grad=True)
             all_text = gather_batch(text_features, self.world_size, with_grad=True)
             ref_image = ref_text = all_ref_image = all_ref_text = None
-            if self.use_reference:
-                ref_image, ref_text = ref_image_features.float(), ref_text_features.float()
+            if reads_reference:
+                ref_image, ref_text = at_least_float32(ref_image_features), at_least_float32(ref_text_features)
                 all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False)
             offset = self.rank * image_features.shape[0]
-            tau_image, tau_text = self.temperature(logit_scale=logit_scale, index=index,
-                                                   image_features=image_features, text_features=text_features)
+            log_eps = -math.log(all_text.shape[0] - 1) if self.positive_in_denominator else self.log_eps
+            tau_image, tau_text = self._temperatures(logit_scale, index, image_features, text_features, accum_step)
+            shift = (ref_image, all_ref_text, ref_text, all_ref_image) if self.use_reference else (None,) * 4
             log_g_image = self.row_aggregate(image_features, all_text, offset, 1.0 / tau_image,
-                                             ref_image, all_ref_text, self.negative_log_weight)
+                                             shift[0], shift[1], self.negative_log_weight)
             log_g_text = self.row_aggregate(text_features, all_image, offset, 1.0 / tau_text,
-                                            ref_text, all_ref_image, self.negative_log_weight)
+                                            shift[2], shift[3], self.negative_log_weight)
             log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
-            per_anchor = (tau_image * sogclr_estimate(log_g_image, log_u_image, self.log_eps)
-                          + tau_text * sogclr_estimate(log_g_text, log_u_text, self.log_eps))
-            loss = per_anchor.mean() + self.rho * (tau_image + tau_text).mean()
+            per_anchor = (tau_image * sogclr_estimate(log_g_image, log_u_image, log_eps)
+                          + tau_text * sogclr_estimate(log_g_text, log_u_text, log_eps)
+                          + self.rho * (tau_image + tau_text))
+            loss = per_anchor.mean()
+            if not accum_step and hasattr(self.temperature, 'step'):
+                self.temperature.step(per_anchor)
+            losses = {'contrastive_loss': loss}
             self._last = dict(log_g_image=log_g_image.detach(), log_g_text=log_g_text.detach(),
-                              log_u_image=log_u_image, log_u_text=log_u_text,
+                              log_u_image=log_u_image, log_u_text=log_u_text, log_eps=log_eps,
                               tau_image=tau_image.detach(), tau_text=tau_text.detach())
-        return {'contrastive_loss': loss} if output_dict else loss
+            if self.distill_weight > 0:
+                if tau_image.dim():
+                    raise ValueError("distillation needs a global temperature (its student logit scale is 1/τ)")
+                kd = distillation_loss((image_features, text_features), (all_image, all_text),
+                                       (ref_image, ref_text), (all_ref_image, all_ref_text),
+                                       1.0 / tau_image, self.teacher_logit_scale)
+                losses = {'contrastive_loss': (1 - self.distill_weight) * loss,
+                          'distill_loss': self.distill_weight * tau_image.detach() * kd}
+                self._last['distill'] = kd.detach()
+        if output_dict:
+            return losses
+        return sum(losses.values())
 
     def objective(self) -> torch.Tensor:
         """The mini-batch value of the objective of the last call (not the surrogate): mean_i τF_i over both
         directions with the batch's own g_i, plus the ρ term."""
         last = self._last
-        log_eps = torch.tensor(self.log_eps)
+        log_eps = torch.tensor(last['log_eps'])
         f_image = last['tau_image'] * torch.logaddexp(last['log_g_image'], log_eps.to(last['log_g_image']))
         f_text = last['tau_text'] * torch.logaddexp(last['log_g_text'], log_eps.to(last['log_g_text']))
         return (f_image + f_text).mean() + self.rho * (last['tau_image'] + last['tau_text']).mean()
@@ -275,6 +344,8 @@ class DROContrastiveLoss(nn.Module):
             'log_u_image_mean': last['log_u_image'].mean().item(),
             'log_u_text_mean': last['log_u_text'].mean().item(),
         }
+        if 'distill' in last:
+            out['distill'] = last['distill'].item()
         if self.state is not None:
             out['gamma'] = self.state.gamma
             out['state_coverage'] = (~torch.isnan(self.state.log_u_image)).float().mean().item()
@@ -291,7 +362,7 @@ class FixedTemperature(nn.Module):
         self.tau = tau
 
     def forward(self, logit_scale=None, **_):
-        t = torch.tensor(self.tau)
+        t = torch.tensor(self.tau, dtype=torch.float64)  # the loss casts it to its compute dtype
         return t, t
 
 
@@ -301,6 +372,6 @@ class LogitScaleTemperature(nn.Module):
     def forward(self, logit_scale=None, **_):
         if logit_scale is None:
             raise ValueError("a learnable temperature needs the model's logit_scale")
-        tau = 1.0 / logit_scale.float()
+        tau = 1.0 / at_least_float32(logit_scale)
         return tau, tau
 

@@ -1,6 +1,17 @@
-"""The named losses: each is a thin composition of the DRO core."""
+"""The named losses: each is a thin composition of the DRO core, or a small module of its own where the method
+is not a DRO over negatives (balancing, batch selection)."""
+from .adnce import adnce_log_weight
+from .balanced import BalancedClipLoss
 from .core import DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, MovingAverageState
+from .jest import JESTLoss
 from .registry import register_loss
+from .temperatures import PerSampleTemperature, TempNetTemperature
+
+# MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
+DISTILL_OPTIONS = dict(
+    distill_weight=0.0,           # λ: (1−λ)·contrastive + λ·KD; the paper's λ is 0 with the weak ViT-B/32 reference
+    reference_logit_scale=100.0,  # the teacher's (reference model's) logit scale in KD, and JEST's
+)
 
 
 def _temperature(o):
@@ -14,23 +25,40 @@ def _state(o):
     return MovingAverageState(o.num_samples, o.gamma, o.gamma_decay_epochs, o.world_size)
 
 
-def _dro(o, use_reference):
+def _dro(o, use_reference, temperature=None, rho=None, **core_options):
+    """The core with the common options; `temperature` and `rho` default to the global τ (ρ only when learned)."""
+    if temperature is None:
+        temperature = _temperature(o)
+        rho = o.rho if o.learn_temperature else 0.0
     return DROContrastiveLoss(
-        _temperature(o), o.epsilon, rho=o.rho if o.learn_temperature else 0.0, state=_state(o),
-        use_reference=use_reference, rank=o.rank, world_size=o.world_size)
+        temperature, o.epsilon, rho=rho, state=_state(o), use_reference=use_reference, rank=o.rank,
+        world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
+        teacher_logit_scale=getattr(o, 'reference_logit_scale', 100.0), **core_options)
 
 
-@register_loss('clip', help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged)")
+def _own_temperature(o, name):
+    if o.learn_temperature:
+        raise ValueError(f"{name} learns its own temperatures; drop learn_temperature (--learn-temperature)")
+
+
+@register_loss('clip', reference='optional', defaults=DISTILL_OPTIONS,
+               help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged); with distill_weight > 0, "
+                    "MobileCLIP: (1−λ) CLIP + λ KD from the reference model")
 def clip(o):
+    options = dict(local_loss=o.local_loss, gather_with_grad=o.gather_with_grad, cache_labels=True, rank=o.rank,
+                   world_size=o.world_size)
+    if o.distill_weight:
+        from .mobileclip import MobileClipLoss
+        return MobileClipLoss(o.distill_weight, o.reference_logit_scale, **options)
     from open_clip.loss import ClipLoss
-    return ClipLoss(local_loss=o.local_loss, gather_with_grad=o.gather_with_grad, cache_labels=True,
-                    rank=o.rank, world_size=o.world_size)
+    return ClipLoss(**options)
 
 
 @register_loss(
     'drrho', reference='required', stateful=True,
-    help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025)",
-    defaults=dict(temperature=0.01, epsilon=1e-4, rho=8.5))
+    help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
+         "with distill_weight > 0, plus KD from the reference model",
+    defaults=dict(temperature=0.01, epsilon=1e-4, rho=8.5, **DISTILL_OPTIONS))
 def drrho(o):
     return _dro(o, use_reference=True)
 
@@ -41,3 +69,90 @@ def drrho(o):
     defaults=dict(temperature=0.07))
 def sogclr(o):
     return _dro(o, use_reference=False)
+
+
+@register_loss(
+    'fastclip', reference='optional', stateful=True,
+    help="FastCLIP-v3: global contrastive loss with the model's learnable τ and the KL-constraint ρ (Wei et al., "
+         "2024); with distill_weight > 0, plus KD from the reference model (the contrastive part is not shifted)",
+    # the paper's CC12M / ViT-B/32 setting
+    defaults=dict(learn_temperature=True, temperature=0.07, rho=8.5, gamma=0.2, gamma_decay_epochs=16,
+                  **DISTILL_OPTIONS))
+def fastclip(o):
+    if not o.learn_temperature:
+        raise ValueError("fastclip learns τ (the model's logit_scale); for a fixed τ use the loss sogclr")
+    return _dro(o, use_reference=False)
+
+
+@register_loss(
+    'isogclr', stateful=True,
+    help="FastCLIP-v2 / iSogCLR: a learnable τ per sample and modality (per-sample Adam), ρ, per-sample u",
+    # the FastCLIP paper's v2 setting (CC3M); tau_* are the per-sample Adam's
+    defaults=dict(temperature=0.03, rho=7.0, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01, tau_max=1.0,
+                  lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8))
+def isogclr(o):
+    _own_temperature(o, 'isogclr')
+    temperature = PerSampleTemperature(o.num_samples, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
+                                       o.tau_beta2, o.tau_eps, o.world_size)
+    return _dro(o, use_reference=False, temperature=temperature, rho=o.rho)
+
+
+@register_loss(
+    'tempnet', reference='optional', stateful=True,
+    help="TempNet: τ per anchor predicted by a small network on the detached features, learned through the "
+         "KL-constrained DRO objective (Qiu et al., 2024); its parameters must be attached to the model",
+    # the official CLIP code's values (the paper's are elided in our copy)
+    defaults=dict(rho=7.0, gamma=0.8, gamma_decay_epochs=1, tau_min=0.005, tau_max=0.05, embed_dim=0,
+                  tempnet_width=256, tempnet_prototypes=256, reference_shift=False))
+def tempnet(o):
+    _own_temperature(o, 'tempnet')
+    if o.embed_dim <= 0:
+        raise ValueError("tempnet needs the model's embedding size: pass embed_dim (the model's embed_dim)")
+    temperature = TempNetTemperature(o.embed_dim, width=o.tempnet_width, prototypes=o.tempnet_prototypes,
+                                     tau_min=o.tau_min, tau_max=o.tau_max)
+    return _dro(o, use_reference=o.reference_shift, temperature=temperature, rho=o.rho)
+
+
+@register_loss(
+    'adnce', reference='optional', stateful=True,
+    help="ADNCE: negatives re-weighted by a Gaussian of their similarity (µ, σ), positive kept in the denominator "
+         "(Wu et al., 2023)",
+    # the paper's SimCSE-BERT setting (τ 0.07, µ 0.4, σ 1); mini-batch like the paper (γ = 1)
+    defaults=dict(temperature=0.07, gamma=1.0, adnce_mu=0.4, adnce_sigma=1.0, reference_shift=False))
+def adnce(o):
+    # ε is replaced by the positive's own term: see DROContrastiveLoss (positive_in_denominator)
+    return _dro(o, use_reference=o.reference_shift, negative_log_weight=adnce_log_weight(o.adnce_mu, o.adnce_sigma),
+                positive_in_denominator=True)
+
+
+@register_loss(
+    'balanced', reference='optional',
+    help="k-step balanced CLIP loss: k alternating Sinkhorn half-steps of the batch coupling (k = 1 is CLIP; "
+         "Liu et al., 2024)",
+    defaults=dict(learn_temperature=True, temperature=0.07, balance_steps=2, reference_shift=False))
+def balanced(o):
+    return BalancedClipLoss(_temperature(o), o.balance_steps, use_reference=o.reference_shift, rank=o.rank,
+                            world_size=o.world_size)
+
+
+JEST_OPTIONS = dict(selection_ratio=0.2, num_chunks=2, reference_logit_scale=100.0)
+
+
+def _jest(o, topk):
+    return JESTLoss(o.selection_ratio, o.num_chunks, topk, o.reference_logit_scale, local_loss=o.local_loss,
+                    gather_with_grad=o.gather_with_grad, rank=o.rank, world_size=o.world_size)
+
+
+@register_loss(
+    'jest', reference='required', defaults=JEST_OPTIONS,
+    help="JEST: CLIP's loss on the most learnable selection_ratio of the super-batch (learner minus reference "
+         "loss), drawn in num_chunks conditioned chunks (Evans et al., 2024)")
+def jest(o):
+    return _jest(o, topk=False)
+
+
+@register_loss(
+    'jest-topk', reference='required', defaults=JEST_OPTIONS,
+    help="JEST (top-k): as jest, but chunks after the first take the most learnable candidates instead of drawing")
+def jest_topk(o):
+    return _jest(o, topk=True)

@@ -55,9 +55,14 @@ def get_loss_spec(name: str) -> LossSpec:
 
 def loss_options(name: str, **overrides) -> SimpleNamespace:
     """The options a loss is built with: common values, then the loss's paper defaults, then `overrides`
-    (an override of None keeps the default)."""
+    (an override of None keeps the default; one that is neither common nor the loss's own is an error)."""
     spec = get_loss_spec(name)
     options = {**COMMON_OPTIONS, **spec.defaults}
+    foreign = sorted(k for k, v in overrides.items() if v is not None and k not in options)
+    if foreign:
+        own = sorted(spec.defaults) or ['none beyond the common ones']
+        raise ValueError(f"loss '{name}' has no option {', '.join(foreign)} (its own options: {', '.join(own)}); "
+                         f"drop it or pick a loss that has it")
     options.update({k: v for k, v in overrides.items() if v is not None})
     return SimpleNamespace(**options)
 

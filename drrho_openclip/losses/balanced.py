@@ -1,0 +1,85 @@
+"""The k-step balanced CLIP loss (Liu, Mehta, Pal, Harchaoui, NeurIPS 2024; balancing.md §1.4, §4).
+
+CLIP's loss is one Sinkhorn half-step (a KL projection onto a uniform marginal) of the batch's model coupling
+exp(Λ), Λ = S/τ, in each of two orders, read at the positives. k half-steps alternate rows and columns:
+
+    P-branch: A_0 = Λ,  A_t = log_softmax(A_{t−1}) over the texts (t odd) or over the images (t even)
+    Q-branch: the same starting with the images
+    L^(k) = −(1/N) Σ_i ½ (A_k[i,i] + B_k[i,i])
+
+k = 1 is CLIP's loss exactly; k = 2 is the paper's "doubly centered" loss. Gradients flow through every step.
+With reference features, Λ = (S − S^ref)/τ: balancing of the RHO-shifted logits (DRRho-CLIP's ℓ̂ up to terms
+constant along the rows).
+
+Distributed: rows are this rank's anchors, columns the global batch (gathered with gradient); a column step's
+log-sum-exp over all ranks' rows is gathered with gradient too, so value and gradients equal the global loss.
+"""
+import torch
+import torch.distributed.nn
+from torch import nn
+
+from .core import ReferenceFeatures, at_least_float32, gather_batch
+
+
+def column_logsumexp(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """log Σ over the rows of every rank, per column: [1, N]."""
+    lse = x.logsumexp(dim=0)
+    if world_size > 1:
+        lse = torch.stack(torch.distributed.nn.all_gather(lse)).logsumexp(dim=0)
+    return lse[None]
+
+
+def balance(logits: torch.Tensor, steps: int, world_size: int) -> torch.Tensor:
+    """`steps` alternating log-domain normalisations of this rank's [b, N] rows, the rows first."""
+    for step in range(steps):
+        if step % 2 == 0:
+            logits = logits - logits.logsumexp(dim=1, keepdim=True)
+        else:
+            logits = logits - column_logsumexp(logits, world_size)
+    return logits
+
+
+class BalancedClipLoss(ReferenceFeatures, nn.Module):
+
+    def __init__(self, temperature: nn.Module, steps: int = 2, use_reference: bool = False, rank: int = 0,
+                 world_size: int = 1):
+        super().__init__()
+        if steps < 1:
+            raise ValueError(f"the balanced loss needs at least one balancing step (1 = CLIP), got {steps}")
+        self.temperature = temperature
+        self.steps = steps
+        self.use_reference = use_reference
+        self.rank = rank
+        self.world_size = world_size
+        self._last = {}
+
+    def forward(self, image_features, text_features, logit_scale=None, ref_image_features=None,
+                ref_text_features=None, accum_step=None, output_dict=False, **_):
+        if self.use_reference and (ref_image_features is None or ref_text_features is None):
+            raise ValueError("this loss shifts by the reference model: the batch carries no reference features "
+                             "(pass --ref-features DIR or --ref-model)")
+        with torch.autocast(image_features.device.type, enabled=False):
+            image_features, text_features = at_least_float32(image_features), at_least_float32(text_features)
+            all_image = gather_batch(image_features, self.world_size, with_grad=True)
+            all_text = gather_batch(text_features, self.world_size, with_grad=True)
+            tau = self.temperature(logit_scale=logit_scale)[0].to(image_features)
+            if accum_step:  # a later call on the same window: τ's gradient came whole with the first call
+                tau = tau.detach()
+            sim_image, sim_text = image_features @ all_text.T, text_features @ all_image.T
+            if self.use_reference:
+                ref_image, ref_text = at_least_float32(ref_image_features), at_least_float32(ref_text_features)
+                sim_image = sim_image - ref_image @ gather_batch(ref_text, self.world_size, with_grad=False).T
+                sim_text = sim_text - ref_text @ gather_batch(ref_image, self.world_size, with_grad=False).T
+            logits_image, logits_text = sim_image / tau, sim_text / tau
+            rows = torch.arange(logits_image.shape[0], device=logits_image.device)
+            positives = (rows, rows + self.rank * logits_image.shape[0])
+            p = balance(logits_image, self.steps, self.world_size)
+            q = balance(logits_text, self.steps, self.world_size)
+            loss = -(p[positives] + q[positives]).mean() / 2
+            with torch.no_grad():  # CLIP's loss (k = 1) alongside: k ≥ 2 collapsing towards 0 alone is the warning
+                clip = -(logits_image.log_softmax(1)[positives] + logits_text.log_softmax(1)[positives]).mean() / 2
+            self._last = {'clip_loss': clip, 'tau': tau.detach()}
+        return {'contrastive_loss': loss} if output_dict else loss
+
+    def metrics(self) -> dict:
+        return {k: v.item() for k, v in self._last.items()}

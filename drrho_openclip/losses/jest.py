@@ -1,0 +1,110 @@
+"""JEST (Evans et al., 2024), the online batch selection DRRho-CLIP compares with (seed 001 §6.2, C.2).
+
+From a super-batch, JEST keeps the fraction `selection_ratio` with the highest learnability (the learner's loss
+minus the reference model's), drawn in `num_chunks` chunks, each conditioned on the chunks drawn before, and trains
+with CLIP's loss on that sub-batch only. With L = s·S (learner, s its logit scale) and R = t·S^ref (reference at
+the fixed logit scale t), the learnability of candidate i given the selected set S is
+
+    chunk 1:    d_i = R_ii − L_ii                                   (the loss of the positive pair alone)
+    chunk ≥ 2:  d_i + ½ Σ_dir [log Σ_{j∈S} exp(L^dir_ij) − log Σ_{j∈S} exp(R^dir_ij)]
+                = ½ Σ_dir [ℓ_learner(i | S) − ℓ_ref(i | S)],  ℓ(i | S) = −L_ii + log Σ_{j∈S} exp L_ij,
+
+over both directions (image→text rows and text→image columns). Each chunk is drawn without replacement with
+probabilities ∝ exp(learnability) (the official code drew the first chunk ∝ d_i − min d, linearly), by the
+Gumbel-top-k trick: the chunk's top scores after adding Gumbel noise, which needs no normalised probabilities and
+so survives scores spanning thousands. JEST (top-k) takes the top scores without noise from the second chunk on.
+
+Distributed: every rank draws its share of each chunk from its own rows (all ranks then hold equal sub-batches,
+as CLIP's gathered loss needs); the set S that later chunks condition on is the global one, gathered after every
+chunk (the official code needed torch.distributed even on one process; here one process just skips the gather).
+"""
+import torch
+from torch import nn
+
+from .core import ReferenceFeatures, at_least_float32, gather_batch
+
+
+class JESTLoss(ReferenceFeatures, nn.Module):
+
+    def __init__(self, selection_ratio: float = 0.2, num_chunks: int = 2, topk: bool = False,
+                 reference_logit_scale: float = 100.0, local_loss: bool = True, gather_with_grad: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        super().__init__()
+        from open_clip.loss import ClipLoss  # here: importing open_clip must wait for the plugin's import hook
+        if not 0 < selection_ratio <= 1:
+            raise ValueError(f"JEST's selection ratio must be in (0, 1], got {selection_ratio}")
+        if num_chunks < 1:
+            raise ValueError(f"JEST needs at least one chunk, got {num_chunks}")
+        self.selection_ratio = selection_ratio
+        self.num_chunks = num_chunks
+        self.topk = topk
+        self.reference_logit_scale = reference_logit_scale
+        self.world_size = world_size
+        self.clip = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=True,
+                             rank=rank, world_size=world_size)
+        self.generator = None  # a torch.Generator for the draws; None: torch's global RNG
+        self._window = None  # the accumulation window's selection
+        self._last = {}
+
+    def chunk_sizes(self, super_batch: int) -> list:
+        """This rank's draws per chunk."""
+        selected = round(super_batch * self.selection_ratio)
+        if selected < max(self.num_chunks, 2):
+            raise ValueError(f"JEST keeps {selected} of a super-batch of {super_batch} per rank, fewer than "
+                             f"{max(self.num_chunks, 2)}: raise --batch-size or the selection ratio, or use fewer chunks")
+        return [len(c) for c in torch.arange(selected).tensor_split(self.num_chunks)]
+
+    def _gumbel(self, scores):
+        uniform = torch.rand(scores.shape, generator=self.generator, dtype=scores.dtype,
+                             device='cpu' if self.generator is not None else scores.device)
+        return -torch.log(-torch.log(uniform.to(scores.device)))
+
+    @torch.no_grad()
+    def select(self, image_features, text_features, logit_scale, ref_image_features, ref_text_features):
+        """This rank's rows of the sub-batch (a [b · selection_ratio] index into its super-batch rows)."""
+        features = [at_least_float32(f) for f in (image_features, text_features, ref_image_features, ref_text_features)]
+        image, text, ref_image, ref_text = features
+        s, t = at_least_float32(torch.as_tensor(logit_scale)).detach(), self.reference_logit_scale
+        diagonal = t * (ref_image * ref_text).sum(1) - s * (image * text).sum(1)
+        # log Σ_{j∈S} exp of: learner image→text, learner text→image, reference image→text, reference text→image
+        lse = torch.full((4, image.shape[0]), float('-inf'), dtype=image.dtype, device=image.device)
+        available = torch.ones(image.shape[0], dtype=torch.bool, device=image.device)
+        sizes = self.chunk_sizes(image.shape[0])
+        picks = []
+        for chunk, size in enumerate(sizes):
+            scores = diagonal if chunk == 0 else diagonal + (lse[0] - lse[2] + lse[1] - lse[3]) / 2
+            if chunk == 0 or not self.topk:
+                scores = scores + self._gumbel(scores)
+            pick = scores.masked_fill(~available, float('-inf')).topk(size).indices
+            available[pick] = False
+            picks.append(pick)
+            if chunk + 1 < len(sizes):
+                # the chunk just drawn, on every rank, joins the set the next chunks are conditioned on
+                dims = [f.shape[1] for f in features]
+                new = gather_batch(torch.cat([f[pick] for f in features], dim=1), self.world_size, with_grad=False)
+                new_image, new_text, new_ref_image, new_ref_text = new.split(dims, dim=1)
+                lse = torch.logaddexp(lse, torch.stack([
+                    (s * image @ new_text.T).logsumexp(1), (s * text @ new_image.T).logsumexp(1),
+                    (t * ref_image @ new_ref_text.T).logsumexp(1), (t * ref_text @ new_ref_image.T).logsumexp(1)]))
+        selected = torch.cat(picks)
+        self._last = {'selection_rate': torch.tensor(len(selected) / image.shape[0]),
+                      'extra_forward_fraction': torch.tensor(image.shape[0] / len(selected) - 1),
+                      'learnability_mean': diagonal.mean(), 'learnability_selected_mean': diagonal[selected].mean()}
+        return selected
+
+    def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
+                accum_step=None, output_dict=False, **_):
+        if ref_image_features is None or ref_text_features is None:
+            raise ValueError("JEST scores learnability with the reference model: the batch carries no reference "
+                             "features (pass --ref-features DIR or --ref-model)")
+        if accum_step:  # a later call on the same window: its first call's selection
+            selected = self._window
+        else:
+            selected = self.select(image_features, text_features, logit_scale, ref_image_features, ref_text_features)
+            self._window = selected if accum_step is not None else None
+        return self.clip(image_features[selected], text_features[selected], logit_scale, output_dict=output_dict)
+
+    def metrics(self) -> dict:
+        """Of the last selection: the fraction kept, the learner's extra forward compute relative to a step on the
+        kept sub-batch alone (b_super/b_sub − 1), and the mean first-chunk learnability of all and of the kept."""
+        return {k: v.item() for k, v in self._last.items()}

@@ -1,0 +1,135 @@
+"""Temperature sources beyond the core's fixed and global-learnable τ: one τ per sample (iSogCLR / FastCLIP-v2)
+and a temperature network (TempNet). Both give one τ per anchor and direction, and both are learned from the
+τ-gradient of the core's per-anchor objective,
+
+    G_i = ∂(τ_i F_i + ρ τ_i)/∂τ_i = log(ε + u_i) − Σ_{j≠i} w_ij ℓ̂_ij / τ_i / (B−1) + ρ,   w_ij = exp(ℓ̂_ij/τ_i)/(ε + u_i),
+
+which the core's surrogate carries (`core.sogclr_estimate`): the table by its own Adam step, TempNet by autograd.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .core import check_index, write_rows
+
+
+class PerSampleTemperature(nn.Module):
+    """iSogCLR's learnable τ_i for every sample, for image anchors and text anchors separately.
+
+    The tables are buffers (saved by loss.state_dict(), replicated on every rank like u) and learned outside the
+    model's optimiser: once per optimiser step the core calls `step(objective)`, which takes G_i by autograd on the
+    leaf rows that `forward` handed out, and applies a per-sample Adam step
+
+        m_i ← β1 m_i + (1−β1) G_i,   v_i ← β2 v_i + (1−β2) G_i²,   τ_i ← clip(τ_i − lr · m_i / (√v_i + eps), τ_min, τ_max).
+
+    m and v start at a sample's first G and G² (NaN marks an unvisited sample), which leaves them unbiased without
+    Adam's step-count correction (the official code's substitute, (epoch+1), assumes one visit per epoch).
+    """
+
+    def __init__(self, num_samples: int, tau_init: float, tau_min: float, tau_max: float, lr: float,
+                 beta1: float, beta2: float, eps: float, world_size: int = 1):
+        super().__init__()
+        if num_samples <= 0:
+            raise ValueError(f"per-sample temperatures need the dataset size, got num_samples={num_samples}")
+        if not 0 < tau_min <= tau_init <= tau_max:
+            raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
+        if lr < 0 or eps <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ValueError(f"the per-sample Adam needs lr ≥ 0, eps > 0 and betas in [0, 1), got lr={lr}, "
+                             f"eps={eps}, betas=({beta1}, {beta2})")
+        self.tau_min, self.tau_max, self.lr = tau_min, tau_max, lr
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.world_size = world_size
+        for side in ('image', 'text'):
+            self.register_buffer(f'tau_{side}', torch.full((num_samples,), float(tau_init)))
+            self.register_buffer(f'exp_avg_{side}', torch.full((num_samples,), float('nan')))
+            self.register_buffer(f'exp_avg_sq_{side}', torch.full((num_samples,), float('nan')))
+        self._rows = None  # (index, τ_image rows, τ_text rows) handed out by the last forward
+
+    def forward(self, index=None, **_):
+        if index is None:
+            raise ValueError("per-sample temperatures need the batch's sample `index`")
+        check_index(index, self.tau_image.numel())
+        rows = index.to(self.tau_image.device)
+        # leaves: the loss's gradient wrt them is G, read in step()
+        self._rows = (index, self.tau_image[rows].requires_grad_(), self.tau_text[rows].requires_grad_())
+        return self._rows[1], self._rows[2]
+
+    def _adam(self, side, rows, tau, grad):
+        m_old = getattr(self, f'exp_avg_{side}')[rows].to(grad)
+        v_old = getattr(self, f'exp_avg_sq_{side}')[rows].to(grad)
+        m = torch.where(torch.isnan(m_old), grad, self.beta1 * m_old + (1 - self.beta1) * grad)
+        v = torch.where(torch.isnan(v_old), grad ** 2, self.beta2 * v_old + (1 - self.beta2) * grad ** 2)
+        tau = (tau.to(grad) - self.lr * m / (v.sqrt() + self.eps)).clamp(self.tau_min, self.tau_max)
+        return [tau, m, v]
+
+    def step(self, objective: torch.Tensor):
+        """One Adam step on the rows of the last forward; `objective` holds the per-anchor terms of that call."""
+        if not objective.requires_grad:
+            raise RuntimeError("per-sample temperatures learn from the loss's gradient: call the loss with "
+                               "gradients enabled")
+        index, tau_image, tau_text = self._rows
+        grads = torch.autograd.grad(objective.sum(), (tau_image, tau_text), retain_graph=True)
+        with torch.no_grad():
+            rows = index.to(self.tau_image.device)
+            new = self._adam('image', rows, tau_image, grads[0]) + self._adam('text', rows, tau_text, grads[1])
+            tables = [getattr(self, f'{name}_{side}') for side in ('image', 'text')
+                      for name in ('tau', 'exp_avg', 'exp_avg_sq')]
+            write_rows(tables, index, new, self.world_size)
+        self._rows = None
+
+
+class TempNet(nn.Module):
+    """TempNet for CLIP embeddings (Qiu et al., 2024; tempnet.md §2.2): τ(e) ∈ [τ_min, τ_max] of an embedding,
+    built after the optimal τ of Lemma 5.1 (attention pooling minus mean pooling of the logits):
+
+        x = dropout(sigmoid(W e + b)),   ŝ = P̄ x (unit-norm prototypes),   ω = softmax(ŝ / exp(κ)),
+        z = Σ_j a_j (ω_j − 1/M) sigmoid(ŝ_j) + c,   τ = τ_min + (τ_max − τ_min) sigmoid(z).
+    """
+
+    def __init__(self, embed_dim: int, width: int = 256, prototypes: int = 256, tau_min: float = 0.005,
+                 tau_max: float = 0.05, dropout: float = 0.5):
+        super().__init__()
+        if not 0 < tau_min < tau_max:
+            raise ValueError(f"need 0 < tau_min < tau_max, got {tau_min}, {tau_max}")
+        self.tau_min, self.tau_max = tau_min, tau_max
+        self.transform = nn.Linear(embed_dim, width)
+        self.dropout = nn.Dropout(dropout)
+        self.prototypes = nn.Parameter(torch.randn(prototypes, width))
+        self.log_pool_temperature = nn.Parameter(torch.tensor(math.log(0.01)))  # κ
+        self.pool = nn.Linear(prototypes, 1)  # a and c, initialised to 1 and 0
+        nn.init.ones_(self.pool.weight)
+        nn.init.zeros_(self.pool.bias)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(torch.sigmoid(self.transform(embeddings)))
+        logits = x @ F.normalize(self.prototypes, dim=1).T
+        attention = torch.softmax(logits / self.log_pool_temperature.exp(), dim=1)
+        z = self.pool((attention - 1 / logits.shape[1]) * torch.sigmoid(logits)).squeeze(1)
+        return self.tau_min + (self.tau_max - self.tau_min) * torch.sigmoid(z)
+
+
+class TempNetTemperature(nn.Module):
+    """Two TempNets, for image anchors and text anchors, fed the detached features: the encoders learn from τ's
+    value only, the TempNets from the DRO objective's τ-gradient (the paper's stop-gradient)."""
+
+    def __init__(self, embed_dim: int, **tempnet_options):
+        super().__init__()
+        self.image = TempNet(embed_dim, **tempnet_options)
+        self.text = TempNet(embed_dim, **tempnet_options)
+
+    def forward(self, image_features=None, text_features=None, **_):
+        return self.image(image_features.detach()), self.text(text_features.detach())
+
+
+def attach_to_model(model: nn.Module, loss: nn.Module) -> list:
+    """Make the loss's learnable submodules (TempNet's) submodules of `model`, named `loss_<name>`, so that
+    OpenCLIP's optimiser, DDP and checkpoints (model.state_dict()) include them. Call it before the optimiser is
+    built, before DDP wraps the model and before a checkpoint is loaded. Returns the names it attached."""
+    names = []
+    for name, module in loss.named_children():
+        if any(p.requires_grad for p in module.parameters()):
+            model.add_module(f'loss_{name}', module)
+            names.append(f'loss_{name}')
+    return names

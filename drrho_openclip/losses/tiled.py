@@ -1,0 +1,275 @@
+"""A tiled, memory-linear drop-in for the core's row aggregation `log_mean_exp_rows`.
+
+`core.log_mean_exp_rows` materialises several b×B matrices (similarities, the shifted loss, the logits, the
+softmax in backward), so the loss needs O(b·B) memory: at a global batch of 65 536 on one device that is tens of
+GiB per matrix. The function here computes the same value and the same gradients while never holding more than a
+b×T block of any pairwise matrix (T = `tile_size` columns):
+
+- forward: a streaming (online) log-sum-exp over column tiles of the candidates, with a running row maximum and a
+  running rescaled sum, as in FlashAttention. Only the [b] results and the inputs are kept for backward.
+- backward: every tile is recomputed and its softmax weights p_ij = exp(logit_ij − lse_i) (times the upstream
+  gradient) are turned into the tile's contribution to the gradients of the anchors, of the candidates, of
+  `inv_tau` (scalar or per row) and, should they require it, of the reference features.
+
+Memory is O((b + B)·d + b·T); the arithmetic is the untiled one plus one recomputation of the similarities.
+
+Use it with the core:
+
+    loss = create_loss('drrho', num_samples=n)
+    loss.row_aggregate = make_tiled_row_aggregate(DEFAULT_TILE_SIZE)
+
+Negative log-weights (`negative_log_weight`, e.g. ADNCE-style hardness weights) are supported under a contract,
+since the full row never exists:
+
+- a plain callable `negative_log_weight(sim, positive_mask) -> log w` is called once per tile (in forward and again
+  in backward) with the tile's [b, T] similarities (detached) and the matching slice of the positive mask. It must
+  be *row-separable per tile*: its value on a column block must equal that block of its value on the whole row,
+  i.e. log w_ij may depend on (i, j, s_ij, positive or not) and on fixed parameters, but not on other columns.
+  An elementwise function of s_ij qualifies; a per-row normalisation (a softmax over j, a row mean or std) does
+  not, and would silently give a different loss. Nothing here can detect a violation.
+- a per-row normalisation of the form log w_ij = h_ij − log mean_{j≠i} exp(h_ij), with h row-separable, is
+  tile-composable: wrap h as `RowNormalizedLogWeight(h)`. Called on a whole row (as the untiled core does) it
+  returns the normalised weights; the tiled function recognises it, streams h and accumulates the normaliser
+  log Σ_{j≠i} exp h_ij online in the same pass, so both paths compute the same loss.
+The weights are constants of the graph (detached) in both implementations.
+"""
+import functools
+import math
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_row_aggregate', 'tiled_log_mean_exp_rows',
+]
+
+# Columns per tile. Chosen with `python benchmarks/tiled_memory.py` (its tile-size sweep) on the 2-core CPU this
+# was developed on, drrho forward+backward at global batch 16 384, d = 512, float32: time is flat within noise
+# from 512 up to 4096 columns (the two matmuls per tile are large enough to run at full BLAS speed; below 256,
+# per-tile overhead starts to show), while peak memory grows linearly with T (~0.1 GiB per 1024 columns at
+# b = 16 384 on top of the O((b + B)·d) inputs/gradients). 1024 sits at the start of the time plateau with the
+# memory still a small fraction of the untiled loss's. On a GPU, larger tiles (4096–8192) keep kernels busier;
+# the value is a per-run choice (`make_tiled_row_aggregate(tile_size)`), not part of the loss's definition.
+DEFAULT_TILE_SIZE = 1024
+
+
+class RowNormalizedLogWeight:
+    """Log-weights normalised per row over the negatives: log w_ij = h_ij − log mean_{j≠i} exp(h_ij).
+
+    `log_weight(sim, positive_mask) -> h` must be row-separable per tile (see the module docstring). On a whole
+    [b, B] row block the instance returns the normalised log-weights (what the untiled core needs); the tiled
+    aggregation streams h and the normaliser instead, which gives the same result.
+    """
+
+    def __init__(self, log_weight: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.log_weight = log_weight
+
+    def __call__(self, sim: torch.Tensor, positive_mask: torch.Tensor) -> torch.Tensor:
+        h = self.log_weight(sim, positive_mask)
+        negatives = h.masked_fill(positive_mask, float('-inf'))
+        log_mean = torch.logsumexp(negatives, dim=1, keepdim=True) - math.log(sim.shape[1] - 1)
+        return h - log_mean
+
+    def __repr__(self):
+        return f'{type(self).__name__}({self.log_weight!r})'
+
+
+def _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size):
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+        raise ValueError(f"tile_size must be a positive int, got {tile_size!r}")
+    if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
+        raise ValueError(f"anchors [b, d] and candidates [B, d] expected, got {tuple(anchors.shape)} "
+                         f"and {tuple(candidates.shape)}")
+    b, num_candidates = anchors.shape[0], candidates.shape[0]
+    if not 0 <= offset <= num_candidates - b:
+        raise ValueError(f"the positives of {b} anchors start at column {offset}, outside the "
+                         f"{num_candidates} candidates")
+    if inv_tau.numel() not in (1, b):
+        raise ValueError(f"inv_tau must be a scalar or have one value per anchor ({b}), got shape "
+                         f"{tuple(inv_tau.shape)}")
+    if (ref_anchors is None) != (ref_candidates is None):
+        raise ValueError("give both reference feature sets or neither")
+    if ref_anchors is not None and (ref_anchors.shape[0] != b or ref_candidates.shape[0] != num_candidates
+                                    or ref_anchors.shape[1] != ref_candidates.shape[1]):
+        raise ValueError(f"reference features {tuple(ref_anchors.shape)} / {tuple(ref_candidates.shape)} do not "
+                         f"match anchors {tuple(anchors.shape)} / candidates {tuple(candidates.shape)}")
+
+
+def _positive_rows(c0, c1, offset, b, device):
+    """Rows whose positive column offset + i lies in the tile [c0, c1), and that column within the tile."""
+    first, last = max(c0 - offset, 0), min(c1 - offset, b)
+    if first >= last:
+        return None
+    rows = torch.arange(first, last, device=device)
+    return rows, rows + (offset - c0)
+
+
+class _TiledLogMeanExpRows(torch.autograd.Function):
+
+    @staticmethod
+    def _tile_logits(a, c_tile, inv_tau_col, s_pos, ref_a, rc_tile, r_pos, c0, offset, log_weight, keep_ell):
+        """The tile's logits ℓ̂_ij·inv_tau_i + log w_ij with the positives at −inf; ℓ̂_ij too if `keep_ell`."""
+        sim = a @ c_tile.T
+        b, t = sim.shape
+        positives = _positive_rows(c0, c0 + t, offset, b, a.device)
+        log_w = None
+        if log_weight is not None:
+            mask = torch.zeros(b, t, dtype=torch.bool, device=a.device)
+            if positives is not None:
+                mask[positives] = True
+            log_w = log_weight(sim, mask).to(sim.dtype)
+            ell = sim - s_pos[:, None]   # not in place: log_w may be a view of sim
+        else:
+            ell = sim.sub_(s_pos[:, None])
+        del sim
+        if ref_a is not None:
+            ref_sim = ref_a @ rc_tile.T
+            ref_sim.sub_(r_pos[:, None])
+            ell.sub_(ref_sim)
+            del ref_sim
+        logits = ell * inv_tau_col if keep_ell else ell.mul_(inv_tau_col)
+        if log_w is not None:
+            logits.add_(log_w)
+            if positives is not None:
+                log_w[positives] = float('-inf')
+        if positives is not None:
+            logits[positives] = float('-inf')
+        return logits, (ell if keep_ell else None), log_w
+
+    @staticmethod
+    def forward(ctx, anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size,
+                negative_log_weight):
+        dtype = anchors.dtype
+        b, num_candidates = anchors.shape[0], candidates.shape[0]
+        normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
+        log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
+        inv_tau_col = inv_tau.detach().to(dtype).reshape(-1, 1)  # [b, 1] or [1, 1]
+        positives = candidates[offset:offset + b]
+        s_pos = (anchors * positives).sum(1)
+        r_pos = None
+        if ref_anchors is not None:
+            r_pos = (ref_anchors * ref_candidates[offset:offset + b]).sum(1)
+        # running max m and running sum Σ exp(logit − m) of every row, and the same for h when normalising
+        run_max = torch.full((b,), float('-inf'), dtype=dtype, device=anchors.device)
+        run_sum = torch.zeros(b, dtype=dtype, device=anchors.device)
+        w_max, w_sum = run_max.clone(), run_sum.clone()
+
+        def accumulate(m, s, x):
+            m_new = torch.maximum(m, x.max(dim=1).values)
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all −inf so far: no NaN
+            s = s * torch.exp(m - m_safe) + torch.exp(x - m_safe[:, None]).sum(1)
+            return m_new, s
+
+        for c0 in range(0, num_candidates, tile_size):
+            c1 = min(c0 + tile_size, num_candidates)
+            rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
+            logits, _, log_w = _TiledLogMeanExpRows._tile_logits(
+                anchors, candidates[c0:c1], inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset,
+                log_weight, keep_ell=False)
+            run_max, run_sum = accumulate(run_max, run_sum, logits)
+            if normalize:
+                w_max, w_sum = accumulate(w_max, w_sum, log_w)
+            del logits, log_w
+        lse = run_max + torch.log(run_sum)  # log Σ_{j≠i} exp(logit_ij): what backward's softmax needs
+        if normalize:
+            out = lse - (w_max + torch.log(w_sum))
+        else:
+            out = lse - math.log(num_candidates - 1)
+
+        ctx.save_for_backward(anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse)
+        ctx.offset, ctx.tile_size, ctx.log_weight = offset, tile_size, log_weight
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse = ctx.saved_tensors
+        offset, tile_size, log_weight = ctx.offset, ctx.tile_size, ctx.log_weight
+        need_a, need_c, need_tau, need_ra, need_rc = ctx.needs_input_grad[:5]
+        dtype = anchors.dtype
+        b, num_candidates = anchors.shape[0], candidates.shape[0]
+        inv_tau_col = inv_tau.to(dtype).reshape(-1, 1)
+        grad_out = grad_out.to(dtype)
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
+
+        grad_a = torch.zeros_like(anchors) if need_a else None
+        grad_c = torch.zeros_like(candidates) if need_c else None
+        grad_ra = torch.zeros_like(ref_anchors) if need_ra else None
+        grad_rc = torch.zeros_like(ref_candidates) if need_rc else None
+        grad_tau_rows = torch.zeros(b, dtype=dtype, device=anchors.device) if need_tau else None
+        weight_rows = torch.zeros(b, dtype=dtype, device=anchors.device)  # Σ_j w_ij, for the positive term
+
+        for c0 in range(0, num_candidates, tile_size):
+            c1 = min(c0 + tile_size, num_candidates)
+            c_tile = candidates[c0:c1]
+            rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
+            logits, ell, _ = _TiledLogMeanExpRows._tile_logits(
+                anchors, c_tile, inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset, log_weight,
+                keep_ell=need_tau)
+            # w_ij = ∂out_i/∂logit_ij · grad_out_i (0 at the positive); the normaliser of
+            # RowNormalizedLogWeight is a constant, so the softmax is the same either way
+            w = logits.sub_(lse_safe).exp_().mul_(grad_out[:, None])
+            del logits
+            weight_rows += w.sum(1)
+            if need_tau:
+                grad_tau_rows += (w * ell).sum(1)
+                del ell
+            g = w.mul_(inv_tau_col)  # ∂/∂s_ij of out_i for j ≠ positive (in place: w is no longer needed)
+            if need_a:
+                grad_a.addmm_(g, c_tile)
+            if need_c:
+                grad_c[c0:c1] = g.T @ anchors
+            if need_ra:
+                grad_ra.addmm_(g, rc_tile, alpha=-1)
+            if need_rc:
+                grad_rc[c0:c1] = -(g.T @ ref_anchors)
+            del g
+
+        # ℓ̂_ij subtracts s_ii (and adds s^ref_ii) for every j: those terms receive −inv_tau_i Σ_j w_ij (resp. +)
+        coef = (inv_tau_col * weight_rows[:, None])
+        pos = slice(offset, offset + b)
+        if need_a:
+            grad_a.sub_(coef * candidates[pos])
+        if need_c:
+            grad_c[pos] -= coef * anchors
+        if need_ra:
+            grad_ra.add_(coef * ref_candidates[pos])
+        if need_rc:
+            grad_rc[pos] += coef * ref_anchors
+        grad_tau = None
+        if need_tau:
+            grad_tau = grad_tau_rows.sum() if inv_tau.numel() == 1 else grad_tau_rows
+            grad_tau = grad_tau.reshape(inv_tau.shape).to(inv_tau.dtype)
+        return grad_a, grad_c, grad_tau, grad_ra, grad_rc, None, None, None
+
+
+def tiled_log_mean_exp_rows(
+        anchors: torch.Tensor,
+        candidates: torch.Tensor,
+        offset: int,
+        inv_tau,
+        ref_anchors: Optional[torch.Tensor] = None,
+        ref_candidates: Optional[torch.Tensor] = None,
+        negative_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+        *,
+        tile_size: int = DEFAULT_TILE_SIZE,
+) -> torch.Tensor:
+    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]), like `core.log_mean_exp_rows`, in column tiles.
+
+    Same arguments and result as the core's function, plus `tile_size`: the number of candidate columns processed
+    at a time, so no more than a [b, tile_size] block of a pairwise matrix is alive in forward or backward.
+    Differentiable in `anchors`, `candidates`, `inv_tau` (0-dim, [1] or [b]) and the reference features.
+    Computes in the dtype of `anchors` (the core hands float32). `negative_log_weight` must be row-separable per
+    tile, or a `RowNormalizedLogWeight` (see the module docstring).
+    """
+    inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
+    _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
+    return _TiledLogMeanExpRows.apply(anchors, candidates, inv_tau, ref_anchors, ref_candidates, int(offset),
+                                      tile_size, negative_log_weight)
+
+
+def make_tiled_row_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
+    """A `row_aggregate` for `DROContrastiveLoss` (the core's signature) with the given tile size."""
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+        raise ValueError(f"tile_size must be a positive int, got {tile_size!r}")
+    return functools.partial(tiled_log_mean_exp_rows, tile_size=tile_size)

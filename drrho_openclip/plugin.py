@@ -1,0 +1,362 @@
+"""drrho-openclip's single point of contact with OpenCLIP's training code (open_clip_train 3.3.x).
+
+Two parts:
+
+1. The import hook. `patches/open_clip-3.3.0-plugin-api.patch` adds a small plugin API to OpenCLIP (plugins found
+   through the `open_clip_train.plugins` entry-point group; plugin flags, loss, data wrapper, per-sample batch
+   extras, loss state in checkpoints, CPU DDP). Installed OpenCLIP files are never edited: when Python imports one of
+   the patched modules, the hook applies that file's hunks to the source in memory, the way pytest rewrites asserts.
+   The patch is the single source of truth, and it applies exactly or the import fails with a clear message.
+2. The plugin itself (this module is the entry point): flags, loss creation, the dataloader wrapper attaching each
+   sample's index and reference features, and model/optimizer set-up.
+"""
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import logging
+import math
+import sys
+from pathlib import Path
+
+SUPPORTED_OPENCLIP = (3, 3)
+PATCH_FILE = 'open_clip-3.3.0-plugin-api.patch'
+
+
+class PluginActivationError(ImportError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. The import hook
+
+
+def patch_path() -> Path:
+    """The patch shipped in the wheel (drrho_openclip/patches/) or, in a source checkout, the repo's patches/."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / 'patches' / PATCH_FILE, here.parent / 'patches' / PATCH_FILE):
+        if candidate.is_file():
+            return candidate
+    raise PluginActivationError(f"drrho-openclip: {PATCH_FILE} is missing from the installation; reinstall it")
+
+
+def patches_by_module() -> dict:
+    """{'open_clip_train.train': <whatthepatch diff>, ...} for every file the patch touches."""
+    import whatthepatch
+    diffs = {}
+    for diff in whatthepatch.parse_patch(patch_path().read_text()):
+        path = diff.header.new_path
+        path = path[2:] if path.startswith('b/') else path
+        diffs[path[:-len('.py')].replace('/', '.')] = diff
+    return diffs
+
+
+def check_openclip_version():
+    try:
+        version = importlib.metadata.version('open_clip_torch')
+    except importlib.metadata.PackageNotFoundError:
+        raise PluginActivationError("drrho-openclip: open_clip_torch is not installed") from None
+    if tuple(int(v) for v in version.split('.')[:2]) != SUPPORTED_OPENCLIP:
+        raise PluginActivationError(
+            f"drrho-openclip supports open_clip_torch {'.'.join(map(str, SUPPORTED_OPENCLIP))}.x, found {version}: "
+            f"install open_clip_torch=={'.'.join(map(str, SUPPORTED_OPENCLIP))}.* or uninstall drrho-openclip")
+    return version
+
+
+def patched_source(module: str, source: str, diff) -> str:
+    import whatthepatch
+    try:
+        lines = whatthepatch.apply_diff(diff, source)
+    except whatthepatch.exceptions.HunkApplyException as e:
+        raise PluginActivationError(
+            f"drrho-openclip: {PATCH_FILE} does not apply to {module} "
+            f"(open_clip_torch {importlib.metadata.version('open_clip_torch')}): {e}") from e
+    return '\n'.join(lines) + '\n'
+
+
+class _PatchedSourceLoader(importlib.machinery.SourceFileLoader):
+    def __init__(self, fullname, path, diff):
+        super().__init__(fullname, path)
+        self.diff = diff
+
+    def exec_module(self, module):
+        module.__drrho_patched__ = True
+        super().exec_module(module)
+
+    def get_code(self, fullname):
+        # compiled fresh every time: a cached .pyc would be the unpatched file
+        source = self.get_data(self.path).decode('utf-8')
+        return compile(patched_source(fullname, source, self.diff), self.path, 'exec', dont_inherit=True)
+
+
+class _PatchingFinder(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.diffs = None
+
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith(('open_clip.factory', 'open_clip_train.')):
+            return None
+        if self.diffs is None:
+            check_openclip_version()
+            self.diffs = patches_by_module()
+        diff = self.diffs.get(fullname)
+        if diff is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            raise PluginActivationError(f"drrho-openclip: cannot find the source of {fullname} to patch")
+        spec.loader = _PatchedSourceLoader(fullname, spec.origin, diff)
+        return spec
+
+
+def install_import_hook():
+    """Idempotent. Fails if a module to patch was already imported unpatched (the hook came too late)."""
+    if any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
+        return
+    finder = _PatchingFinder()
+    too_late = [m for m in ('open_clip.factory', 'open_clip_train.params', 'open_clip_train.data',
+                            'open_clip_train.train', 'open_clip_train.main')
+                if m in sys.modules and not hasattr(sys.modules[m], '__drrho_patched__')]
+    sys.meta_path.insert(0, finder)
+    if too_late:
+        raise PluginActivationError(f"drrho-openclip: {', '.join(too_late)} was imported before the plugin hook; "
+                                    f"import drrho_openclip.plugin first (or run `python -m drrho_openclip.train`)")
+
+
+def is_active() -> bool:
+    """True when open_clip_train's argument parser is the patched one."""
+    params = sys.modules.get('open_clip_train.params')
+    return params is not None and hasattr(params, 'load_plugins')
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. The plugin (entry point `open_clip_train.plugins: drrho = drrho_openclip.plugin`)
+
+_LOSS_OPTIONS = ('temperature', 'rho', 'epsilon', 'gamma', 'gamma_decay_epochs')
+
+
+def _defaults_text(option):
+    from .losses import get_loss_spec, list_losses, loss_options
+    values = [f"{name} {getattr(loss_options(name), option)}" for name in list_losses()
+              if name != 'clip' and option in {**get_loss_spec(name).defaults, option: 0}]
+    return 'default per loss: ' + ', '.join(values)
+
+
+def add_args(parser):
+    from .losses import get_loss_spec, list_losses
+    g = parser.add_argument_group('drrho-openclip: reference-model steering and DRO contrastive losses')
+    g.add_argument('--loss', default='clip', choices=list_losses(), metavar='NAME',
+                   help='contrastive loss: ' + '; '.join(f"{n}: {get_loss_spec(n).help}" for n in list_losses())
+                   + ' (default: %(default)s)')
+    g.add_argument('--ref-features', metavar='DIR', default=None,
+                   help='precomputed reference features (a store written by drrho-openclip-features)')
+    g.add_argument('--ref-model', metavar='NAME', default=None,
+                   help='compute reference features online with this OpenCLIP model (no gradient)')
+    g.add_argument('--ref-pretrained', metavar='TAG_OR_FILE', default=None,
+                   help='pretrained tag or checkpoint file of --ref-model')
+    g.add_argument('--temperature', type=float, default=None,
+                   help=f"τ, fixed, or initial with --learn-temperature; {_defaults_text('temperature')}")
+    g.add_argument('--learn-temperature', action='store_true',
+                   help="learn a global τ (the model's logit_scale) with the KL-constrained DRO objective and ρ")
+    g.add_argument('--rho', type=float, default=None,
+                   help=f"ρ of the KL-constrained DRO, with --learn-temperature; {_defaults_text('rho')}")
+    g.add_argument('--epsilon', type=float, default=None, help=f"ε in log(ε + g); {_defaults_text('epsilon')}")
+    g.add_argument('--gamma', type=float, default=None,
+                   help="final inner learning rate γ of the per-sample estimators u (1 = no per-sample state); "
+                        + _defaults_text('gamma'))
+    g.add_argument('--gamma-decay-epochs', type=int, default=None,
+                   help='epochs of the cosine decay of γ from 1 to --gamma (default: --epochs)')
+
+
+def check_args(args, parser):
+    """Validate the plugin flags against the chosen loss and fill the loss's paper defaults."""
+    from .losses import get_loss_spec, loss_options
+    spec = get_loss_spec(args.loss)
+    given = [f"--{o.replace('_', '-')}" for o in _LOSS_OPTIONS + ('learn_temperature',) if getattr(args, o)]
+    uses_reference = args.ref_features is not None or args.ref_model is not None
+    if spec.name == 'clip':
+        if given:
+            parser.error(f"{', '.join(given)} have no effect with --loss clip; pick a DRO loss with --loss")
+        if uses_reference:
+            parser.error("--loss clip does not use reference features; use --loss drrho")
+        return
+    if spec.reference == 'required' and not uses_reference:
+        parser.error(f"--loss {spec.name} needs reference features: pass --ref-features DIR (precomputed with "
+                     f"drrho-openclip-features) or --ref-model NAME --ref-pretrained TAG")
+    if spec.reference == 'none' and uses_reference:
+        parser.error(f"--loss {spec.name} does not use reference features; drop --ref-features/--ref-model")
+    if args.ref_features is not None and args.ref_model is not None:
+        parser.error("give either --ref-features or --ref-model, not both")
+    if args.ref_pretrained is not None and args.ref_model is None:
+        parser.error("--ref-pretrained needs --ref-model")
+    if args.rho is not None and not args.learn_temperature:
+        parser.error("--rho only acts with --learn-temperature (a fixed τ has no ρ term)")
+    options = loss_options(args.loss, **{o: getattr(args, o) for o in _LOSS_OPTIONS})
+    options.learn_temperature = args.learn_temperature
+    if args.gamma_decay_epochs is None:
+        options.gamma_decay_epochs = args.epochs
+    if args.learn_temperature and args.temperature is None:
+        options.temperature = 0.07  # OpenCLIP's own initial τ, as in the paper's learnable-τ runs
+    if not 0 < options.gamma <= 1:
+        parser.error(f"--gamma must be in (0, 1], got {options.gamma}")
+    for name in ('temperature', 'epsilon'):
+        if getattr(options, name) <= 0:
+            parser.error(f"--{name} must be > 0, got {getattr(options, name)}")
+    for name in _LOSS_OPTIONS:
+        setattr(args, name, getattr(options, name))
+    if args.ref_features is not None:
+        from .features import FeatureStore, FeatureStoreError
+        try:
+            FeatureStore.open(args.ref_features)
+        except FeatureStoreError as e:
+            parser.error(f"--ref-features: {e}")
+
+
+def configure_model(model, args):
+    """Fixed τ: set the model's (unused) logit_scale to log(1/τ) and freeze it, so that logs show the τ in force
+    and DDP does not wait for a gradient it never gets. Learnable τ: start it at --temperature."""
+    import torch
+    if args.loss == 'clip':
+        return
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(1.0 / args.temperature))
+    model.logit_scale.requires_grad_(args.learn_temperature)
+
+
+def create_loss(args):
+    """The plugin's loss, or None for `--loss clip` so that OpenCLIP builds its own loss exactly as without the plugin."""
+    from .losses import create_loss as build
+    if args.loss == 'clip':
+        return None
+    loss = build(args.loss, **{o: getattr(args, o) for o in _LOSS_OPTIONS}, learn_temperature=args.learn_temperature,
+                 num_samples=getattr(args, 'sample_index_size', 0), rank=args.rank, world_size=args.world_size)
+    if args.ref_model is not None:
+        loss.reference_encoder = OnlineReference(args)
+    logging.info(f"drrho-openclip: --loss {args.loss} ({type(loss).__name__}), τ={args.temperature}"
+                 f"{' learnable' if args.learn_temperature else ''}, γ={args.gamma}, ε={args.epsilon}")
+    return loss
+
+
+class OnlineReference:
+    """Reference features computed on the fly from the learner's batch (its augmentation and tokenizer)."""
+
+    def __init__(self, args):
+        import open_clip
+        import torch
+        learner, ref = open_clip.get_model_config(args.model), open_clip.get_model_config(args.ref_model)
+        if learner is not None and ref is not None:
+            for part, key in (('vision_cfg', 'image_size'), ('text_cfg', 'context_length'), ('text_cfg', 'vocab_size')):
+                a, b = learner[part].get(key), ref[part].get(key)
+                if a != b:
+                    raise ValueError(f"--ref-model {args.ref_model} has {key}={b}, the learner {a}: it cannot read the "
+                                     f"learner's batches; precompute its features with drrho-openclip-features")
+        from .precompute import create_model
+        self.model = create_model(args.ref_model, args.ref_pretrained, args.device)[0].requires_grad_(False)
+        self.no_grad = torch.no_grad
+
+    def __call__(self, images, texts):
+        with self.no_grad():
+            return self.model.encode_image(images, normalize=True), self.model.encode_text(texts, normalize=True)
+
+
+def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
+    """Attach `{'index', ['ref_image_features', 'ref_text_features']}` to every training batch."""
+    from .losses import get_loss_spec
+    if 'train' not in data or args.loss == 'clip':
+        return data
+    from open_clip_train.data import CsvDataset, SyntheticDataset
+    from .data import WithSampleExtras
+    from .features import FeatureStore
+    store = FeatureStore.open(args.ref_features) if args.ref_features else None
+    info = data['train']
+    dataset = info.dataloader.dataset
+    if isinstance(dataset, (CsvDataset, SyntheticDataset)):
+        if store is not None:
+            if isinstance(dataset, SyntheticDataset):
+                raise ValueError("--ref-features cannot describe --dataset-type synthetic")
+            check_csv_keys(store, args.train_data, dataset.images)
+        data['train'] = _rebuild_map_loader(info, WithSampleExtras(dataset, store), args)
+        args.sample_index_size = len(dataset)
+    else:
+        if store is None:
+            if get_loss_spec(args.loss).stateful and args.gamma < 1:
+                raise ValueError(f"--loss {args.loss} with WebDataset needs a sample index: pass --ref-features DIR "
+                                 f"(its keys define the index)")
+        data['train'] = _wds_with_extras(args, preprocess_fns[0], store, epoch, tokenizer)
+        args.sample_index_size = store.num_samples if store is not None else 0
+    return data
+
+
+def check_csv_keys(store, csv_path, images):
+    from .features import FeatureStoreError, shard_name
+    shard = store.shard(shard_name(csv_path))
+    keys = store.keys(shard.name)
+    if len(keys) != len(images):
+        raise FeatureStoreError(f"'{store.root}' has {len(keys)} reference features for '{csv_path}', "
+                                f"which has {len(images)} rows")
+    for row, (key, image) in enumerate(zip(keys, images)):
+        if str(key) != str(image):
+            raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{key}' there and "
+                                    f"'{image}' in '{csv_path}'")
+
+
+def _rebuild_map_loader(info, dataset, args):
+    from torch.utils.data import DataLoader
+    from open_clip_train.data import DataInfo
+    old = info.dataloader
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=info.sampler is None,
+                        num_workers=args.workers, pin_memory=old.pin_memory, sampler=info.sampler, drop_last=True)
+    loader.num_samples, loader.num_batches = old.num_samples, old.num_batches
+    return DataInfo(loader, info.sampler, info.shared_epoch)
+
+
+def _wds_with_extras(args, preprocess_img, store, epoch, tokenizer):
+    """OpenCLIP's training WebDataset pipeline (open_clip_train.data.get_wds_dataset, is_train=True), keeping each
+    sample's shard and `__key__` long enough to attach its index and reference features."""
+    import webdataset as wds
+    from torch.utils.data import default_collate
+    from open_clip_train import data as oc
+    from .data import SampleExtrasFromKey
+
+    input_shards = args.train_data
+    resampled = args.dataset_resampled
+    num_shards = None
+    if args.train_num_samples is not None:
+        num_samples = args.train_num_samples
+    else:
+        num_samples, num_shards = oc.get_dataset_size(input_shards)
+        if not num_samples:
+            raise RuntimeError('the number of training samples is unknown: pass --train-num-samples')
+    shared_epoch = oc.SharedEpoch(epoch=epoch)
+    if resampled:
+        pipeline = [oc.ResampledShards2(input_shards, weights=args.train_data_upsampling_factors,
+                                        deterministic=True, epoch=shared_epoch)]
+    else:
+        pipeline = [wds.SimpleShardList(input_shards),
+                    oc.detshuffle2(bufsize=oc._SHARD_SHUFFLE_SIZE, initial=oc._SHARD_SHUFFLE_INITIAL,
+                                   seed=args.seed, epoch=shared_epoch),
+                    wds.split_by_node, wds.split_by_worker]
+    pipeline.extend([
+        oc.tarfile_to_samples_nothrow,
+        wds.shuffle(bufsize=oc._SAMPLE_SHUFFLE_SIZE, initial=oc._SAMPLE_SHUFFLE_INITIAL),
+        wds.select(oc.filter_no_caption_or_no_image),
+        wds.decode("pilrgb", handler=oc.log_and_continue),
+        wds.rename(image="jpg;png;jpeg;webp", text="txt"),
+        wds.map_dict(image=preprocess_img, text=lambda text: tokenizer(text)[0]),
+        wds.map(SampleExtrasFromKey(store)),
+        wds.to_tuple("image", "text", "extras"),
+        wds.batched(args.batch_size, partial=False, collation_fn=default_collate),
+    ])
+    dataset = wds.DataPipeline(*pipeline)
+    if not resampled:
+        num_shards = num_shards or len(oc.expand_urls(input_shards)[0])
+        if num_shards < args.workers * args.world_size:
+            raise ValueError(f"{num_shards} shards cannot feed {args.workers} workers x {args.world_size} ranks")
+    global_batch_size = args.batch_size * args.world_size
+    num_worker_batches = math.ceil(math.ceil(num_samples / global_batch_size) / max(1, args.workers))
+    num_batches = num_worker_batches * max(1, args.workers)
+    dataset = dataset.with_epoch(num_worker_batches)
+    loader = wds.WebLoader(dataset, batch_size=None, shuffle=False, num_workers=args.workers,
+                           persistent_workers=args.workers > 0)
+    loader.num_batches = num_batches
+    loader.num_samples = num_batches * global_batch_size
+    return oc.DataInfo(dataloader=loader, shared_epoch=shared_epoch)

@@ -1,0 +1,272 @@
+"""The tiled row aggregation equals the core's untiled one: values, gradients, and the DRO loss built on it."""
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from drrho_openclip.losses import create_loss
+from drrho_openclip.losses.core import log_mean_exp_rows
+from drrho_openclip.losses.tiled import (
+    DEFAULT_TILE_SIZE, RowNormalizedLogWeight, make_tiled_row_aggregate, tiled_log_mean_exp_rows)
+
+B_ANCHORS, B_CANDIDATES, DIM, REF_DIM = 6, 17, 5, 4   # 17 is prime: only 1 and 17 divide it
+TILE_SIZES = [1, 3, 7, B_CANDIDATES, B_CANDIDATES + 5]
+OFFSETS = [0, 5, B_CANDIDATES - B_ANCHORS]          # the positive block at the start, straddling tiles, at the end
+
+
+def _inputs(seed, inv_tau_kind, with_ref, b=B_ANCHORS, n=B_CANDIDATES, ref_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    f64 = dict(dtype=torch.float64)
+    anchors = torch.randn(b, DIM, generator=g, **f64).requires_grad_()
+    candidates = torch.randn(n, DIM, generator=g, **f64).requires_grad_()
+    if inv_tau_kind == 'scalar':
+        inv_tau = torch.tensor(1.7, **f64).requires_grad_()
+    else:
+        inv_tau = (0.5 + 2 * torch.rand(b, generator=g, **f64)).requires_grad_()
+    ref_anchors = ref_candidates = None
+    if with_ref:
+        ref_anchors = torch.randn(b, REF_DIM, generator=g, **f64).requires_grad_(ref_grad)
+        ref_candidates = torch.randn(n, REF_DIM, generator=g, **f64).requires_grad_(ref_grad)
+    upstream = torch.randn(b, generator=g, **f64)  # a non-uniform upstream gradient
+    return anchors, candidates, inv_tau, ref_anchors, ref_candidates, upstream
+
+
+def _value_and_grads(fn, anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, upstream,
+                     negative_log_weight=None):
+    out = fn(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, negative_log_weight)
+    wrt = [t for t in (anchors, candidates, inv_tau, ref_anchors, ref_candidates) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, wrt, upstream)
+    return out, grads
+
+
+def _assert_same(reference, tiled, tol=1e-9):
+    (out_ref, grads_ref), (out_tiled, grads_tiled) = reference, tiled
+    assert out_tiled.shape == out_ref.shape and out_tiled.dtype == out_ref.dtype
+    torch.testing.assert_close(out_tiled, out_ref, rtol=tol, atol=tol)
+    assert len(grads_tiled) == len(grads_ref)
+    for got, want in zip(grads_tiled, grads_ref):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize('with_ref', [False, True])
+@pytest.mark.parametrize('inv_tau_kind', ['scalar', 'per_row'])
+@pytest.mark.parametrize('offset', OFFSETS)
+@pytest.mark.parametrize('tile_size', TILE_SIZES)
+def test_matches_untiled(tile_size, offset, inv_tau_kind, with_ref):
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(tile_size * 100 + offset, inv_tau_kind, with_ref)
+    args = (anchors, candidates, offset, inv_tau, ref_a, ref_c, upstream)
+    reference = _value_and_grads(log_mean_exp_rows, *args)
+    tiled = _value_and_grads(functools.partial(tiled_log_mean_exp_rows, tile_size=tile_size), *args)
+    _assert_same(reference, tiled)
+    # the gradients are not trivially zero (so the comparison means something)
+    assert all(g.abs().max() > 1e-3 for g in reference[1])
+
+
+def test_large_inverse_temperature_is_stable():
+    """τ = 0.01 on unit features: logits of ±400 overflow a naive exp; the streaming max must keep it exact."""
+    anchors, candidates, _, ref_a, ref_c, upstream = _inputs(7, 'scalar', True)
+    with torch.no_grad():
+        for t in (anchors, candidates, ref_a, ref_c):
+            t /= t.norm(dim=1, keepdim=True)
+    inv_tau = torch.tensor(100.0, dtype=torch.float64, requires_grad=True)
+    args = (anchors, candidates, 4, inv_tau, ref_a, ref_c, upstream)
+    reference = _value_and_grads(log_mean_exp_rows, *args)
+    tiled = _value_and_grads(make_tiled_row_aggregate(4), *args)
+    assert reference[0].abs().max() > 50  # far outside exp's float range at these logits
+    assert torch.isfinite(tiled[0]).all()
+    _assert_same(reference, tiled)
+
+
+@pytest.mark.parametrize('tile_size', [1, 4, B_CANDIDATES])
+def test_reference_gradients_when_required(tile_size):
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(3, 'per_row', True, ref_grad=True)
+    args = (anchors, candidates, 2, inv_tau, ref_a, ref_c, upstream)
+    reference = _value_and_grads(log_mean_exp_rows, *args)
+    tiled = _value_and_grads(make_tiled_row_aggregate(tile_size), *args)
+    assert len(reference[1]) == 5
+    _assert_same(reference, tiled)
+
+
+def _elementwise_log_weight(sim, mask):
+    # row-separable: depends on s_ij only (ADNCE-like Gaussian hardness weighting, unnormalised)
+    return -0.5 * (sim - 0.3) ** 2 / 0.7
+
+
+@pytest.mark.parametrize('normalized', [False, True])
+@pytest.mark.parametrize('tile_size', [1, 3, 7, B_CANDIDATES + 1])
+def test_negative_log_weight(tile_size, normalized):
+    nlw = RowNormalizedLogWeight(_elementwise_log_weight) if normalized else _elementwise_log_weight
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(11 + tile_size, 'per_row', True)
+    args = (anchors, candidates, 5, inv_tau, ref_a, ref_c, upstream, nlw)
+    reference = _value_and_grads(log_mean_exp_rows, *args)
+    tiled = _value_and_grads(make_tiled_row_aggregate(tile_size), *args)
+    _assert_same(reference, tiled)
+    # the weights change the result, so this is not the unweighted case in disguise
+    unweighted = log_mean_exp_rows(*args[:6])
+    assert (unweighted - reference[0]).abs().max() > 1e-2
+
+
+def test_row_normalized_log_weight_averages_to_one_over_negatives():
+    sim = torch.randn(4, 9, dtype=torch.float64)
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    mask[torch.arange(4), torch.arange(4) + 2] = True
+    log_w = RowNormalizedLogWeight(_elementwise_log_weight)(sim, mask)
+    mean_w = log_w.exp().masked_fill(mask, 0).sum(1) / 8
+    torch.testing.assert_close(mean_w, torch.ones(4, dtype=torch.float64))
+
+
+def test_log_weight_sees_tiles_and_the_tile_mask():
+    seen = []
+
+    def recording(sim, mask):
+        seen.append((sim.shape, mask.clone(), sim.requires_grad))
+        return torch.zeros_like(sim)
+
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(5, 'scalar', False)
+    offset, tile = 5, 4
+    out = tiled_log_mean_exp_rows(anchors, candidates, offset, inv_tau, negative_log_weight=recording,
+                                  tile_size=tile)
+    out.backward(upstream)
+    n_tiles = -(-B_CANDIDATES // tile)
+    assert len(seen) == 2 * n_tiles  # once per tile in forward, once in backward
+    assert all(shape[0] == B_ANCHORS and shape[1] <= tile for shape, _, _ in seen)
+    assert not any(requires_grad for _, _, requires_grad in seen)
+    full_mask = torch.cat([mask for _, mask, _ in seen[:n_tiles]], dim=1)
+    expected = torch.zeros(B_ANCHORS, B_CANDIDATES, dtype=torch.bool)
+    expected[torch.arange(B_ANCHORS), torch.arange(B_ANCHORS) + offset] = True
+    assert torch.equal(full_mask, expected)
+
+
+def test_gradcheck():
+    anchors, candidates, inv_tau, ref_a, ref_c, _ = _inputs(9, 'per_row', True, b=3, n=7, ref_grad=True)
+    fn = functools.partial(tiled_log_mean_exp_rows, offset=2, tile_size=3)
+    assert torch.autograd.gradcheck(
+        lambda a, c, t, ra, rc: fn(a, c, inv_tau=t, ref_anchors=ra, ref_candidates=rc),
+        (anchors, candidates, inv_tau, ref_a, ref_c))
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces (what bounds the working memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize('normalized_weight', [False, True])
+def test_never_materialises_the_pairwise_matrix(normalized_weight):
+    b = n = 64
+    tile, dim = 8, 4   # b·tile = 512, candidates n·dim = 256, the pairwise matrix b·n = 4096
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.randn(b, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    candidates = torch.randn(n, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    ref_a = torch.randn(b, dim, generator=g, dtype=torch.float64)
+    ref_c = torch.randn(n, dim, generator=g, dtype=torch.float64)
+    inv_tau = torch.full((b,), 3.0, dtype=torch.float64, requires_grad=True)
+    nlw = RowNormalizedLogWeight(_elementwise_log_weight) if normalized_weight else None
+    sizes = {}
+    for name, fn in [('untiled', log_mean_exp_rows), ('tiled', make_tiled_row_aggregate(tile))]:
+        with _LargestTensor() as probe:
+            fn(anchors, candidates, 0, inv_tau, ref_a, ref_c, nlw).sum().backward()
+        sizes[name] = probe.largest
+    assert sizes['untiled'] >= b * n       # the probe does see a b×B matrix when one exists
+    assert sizes['tiled'] <= b * tile
+
+
+def test_rejects_bad_arguments():
+    anchors, candidates, inv_tau, *_ = _inputs(1, 'scalar', False)
+    with pytest.raises(ValueError, match='tile_size'):
+        tiled_log_mean_exp_rows(anchors, candidates, 0, inv_tau, tile_size=0)
+    with pytest.raises(ValueError, match='tile_size'):
+        make_tiled_row_aggregate(2.5)
+    with pytest.raises(ValueError, match='outside'):
+        tiled_log_mean_exp_rows(anchors, candidates, B_CANDIDATES - B_ANCHORS + 1, inv_tau, tile_size=4)
+    with pytest.raises(ValueError, match='inv_tau'):
+        tiled_log_mean_exp_rows(anchors, candidates, 0, torch.ones(B_ANCHORS + 1), tile_size=4)
+    with pytest.raises(ValueError, match='reference'):
+        tiled_log_mean_exp_rows(anchors, candidates, 0, inv_tau, ref_anchors=anchors.detach(), tile_size=4)
+
+
+def test_default_tile_size_is_sane():
+    assert isinstance(DEFAULT_TILE_SIZE, int) and DEFAULT_TILE_SIZE >= 1
+    assert make_tiled_row_aggregate().keywords['tile_size'] == DEFAULT_TILE_SIZE
+
+
+# ---- the DRO loss with the tiled aggregation plugged in -------------------------------------------------------
+
+NUM_SAMPLES, BATCH, FEAT, REF_FEAT = 40, 12, 16, 8
+
+
+def _unit(x):
+    return x / x.norm(dim=1, keepdim=True)
+
+
+def _batch(step, with_ref):
+    g = torch.Generator().manual_seed(1000 + step)
+    index = torch.randperm(NUM_SAMPLES, generator=g)[:BATCH]   # batches overlap across steps
+    image = _unit(torch.randn(BATCH, FEAT, generator=g))
+    text = _unit(image + 0.8 * torch.randn(BATCH, FEAT, generator=g))
+    refs = {}
+    if with_ref:
+        ref_image = _unit(torch.randn(BATCH, REF_FEAT, generator=g))
+        refs = dict(ref_image_features=ref_image,
+                    ref_text_features=_unit(ref_image + torch.randn(BATCH, REF_FEAT, generator=g)))
+    return index, image, text, refs
+
+
+# the core computes in float32 (it casts), so these are float32 tolerances; at τ = 0.01 the logits reach ±400
+F32 = dict(rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize('name, options', [
+    ('drrho', dict(gamma=0.5)),                              # fixed τ = 0.01, reference shift, u with γ = 0.5
+    ('drrho', dict(gamma=0.5, learn_temperature=True)),      # τ = 1/logit_scale, ρ term
+    ('sogclr', dict(gamma=0.5)),                             # no reference
+])
+@pytest.mark.parametrize('tile_size', [1, 5, 64])
+def test_dro_loss_with_tiled_aggregation(name, options, tile_size):
+    losses = {}
+    for kind in ('untiled', 'tiled'):
+        loss = create_loss(name, num_samples=NUM_SAMPLES, **options)
+        if kind == 'tiled':
+            loss.row_aggregate = make_tiled_row_aggregate(tile_size)
+        losses[kind] = loss
+    assert losses['untiled'].row_aggregate is log_mean_exp_rows
+    with_ref = losses['untiled'].use_reference
+
+    for step in range(4):
+        if step == 1:   # epoch 0 takes the mini-batch estimate as is; from epoch 1 on, γ = 0.5
+            for loss in losses.values():
+                loss.set_epoch(1)
+                assert loss.state.gamma == 0.5
+        index, image, text, refs = _batch(step, with_ref)
+        results = {}
+        for kind, loss in losses.items():
+            feats = [image.clone().requires_grad_(), text.clone().requires_grad_()]
+            logit_scale = torch.tensor(1 / 0.07, requires_grad=True)
+            value = loss(*feats, logit_scale=logit_scale, index=index, **refs)
+            wrt = feats + ([logit_scale] if options.get('learn_temperature') else [])
+            results[kind] = (value, torch.autograd.grad(value, wrt), loss.metrics())
+        (v_ref, g_ref, m_ref), (v_tiled, g_tiled, m_tiled) = results['untiled'], results['tiled']
+        torch.testing.assert_close(v_tiled, v_ref, **F32)
+        for got, want in zip(g_tiled, g_ref):
+            torch.testing.assert_close(got, want, **F32)
+        assert m_tiled.keys() == m_ref.keys()
+        for key in m_ref:
+            assert m_tiled[key] == pytest.approx(m_ref[key], rel=2e-5, abs=2e-5), key
+
+    state_ref, state_tiled = losses['untiled'].state, losses['tiled'].state
+    assert state_ref.gamma == 0.5
+    for table in ('log_u_image', 'log_u_text'):
+        ref_u, tiled_u = getattr(state_ref, table), getattr(state_tiled, table)
+        assert (~torch.isnan(ref_u)).sum() > BATCH   # several steps' samples are in the state
+        torch.testing.assert_close(tiled_u, ref_u, equal_nan=True, **F32)
