@@ -27,7 +27,9 @@ ru_maxrss (the peak since process start) minus the resident memory before the st
 (`memory_method`). On CUDA (`--device cuda`) it is `torch.cuda.max_memory_allocated()` after
 `reset_peak_memory_stats()`, minus the allocated memory before the step.
 
-Time: the memory-measured step is also the warm-up; then `--repeats` steps are timed (wall clock, median).
+Time: the memory-measured step is also the warm-up; then `--repeats` steps are timed (wall clock, median). At
+the largest batch (minutes per step on a small CPU) the time is that of the memory-measured step alone. The 1-min
+load average is recorded with every configuration: on a shared machine, times are only as good as it is quiet.
 Before each configuration runs, its peak memory is predicted from the previous batch size of the same
 implementation (quadratic in B for `untiled` and `clip`, linear for `tiled`); a configuration predicted above
 `--memory-limit-gib` (default 20) is skipped with a printed note rather than run into the OOM killer.
@@ -109,6 +111,7 @@ def worker(impl, batch, dim, tile_size, repeats, device):
         if device == 'cuda':
             torch.cuda.synchronize()
 
+    load_before = os.getloadavg()[0]
     step(make_loss(64), *make_inputs(64))          # loads kernels, allocator warm-up
     inputs, loss = make_inputs(batch), make_loss(batch)
     sync()
@@ -141,7 +144,8 @@ def worker(impl, batch, dim, tile_size, repeats, device):
     return dict(impl=impl, batch=batch, dim=dim, tile_size=tile_size if impl == 'tiled' else None,
                 device=device, loss_value=value, peak_gib=(peak - before) / GIB, before_gib=before / GIB,
                 first_step_s=first_s, step_s=statistics.median(times) if times else first_s,
-                step_s_all=times, memory_method=method, threads=torch.get_num_threads())
+                step_s_all=times, memory_method=method, threads=torch.get_num_threads(),
+                load_avg_1min=[load_before, os.getloadavg()[0]])
 
 
 # ---- driver ---------------------------------------------------------------------------------------------------
@@ -192,6 +196,10 @@ def markdown(report):
             f"| {fmt(row['mem_untiled_over_tiled'], '.1f')} | {fmt(row['mem_clip_over_tiled'], '.1f')} "
             f"| {fmt(row['untiled_s'])} | {fmt(row['tiled_s'])} | {fmt(row['clip_s'])} "
             f"| {fmt(row['time_tiled_over_untiled'])} | {fmt(row['time_tiled_over_clip'])} |")
+    loads = [x for r in report['results'] + report['sweep'] for x in r.get('load_avg_1min', [])]
+    if loads and max(loads) > report['threads'] + 0.5:
+        lines += ['', f"Times are noisy: other processes were running (1-min load average up to {max(loads):.1f} "
+                      f"on {report['threads']} threads; see `load_avg_1min` in the JSON). Memory is unaffected."]
     if report['notes']:
         lines += ['', 'Notes:', ''] + [f'- {n}' for n in report['notes']]
     if report['sweep']:
@@ -245,8 +253,9 @@ def main():
                 notes.append(note)
                 results.append(dict(impl=impl, batch=batch, skipped=note))
                 continue
-            # the largest batch only gets the warm-up step: one step is minutes on a small CPU
-            reps = repeats if batch < max(batches) or len(batches) == 1 else min(repeats, 1)
+            # the largest batch gets only the memory-measured step (its time is reported): one step is minutes on
+            # a small CPU; the kernels are already warm from the tiny warm-up call
+            reps = repeats if batch < max(batches) or len(batches) == 1 else 0
             t0 = time.time()
             r = run_config(impl, batch, args.dim, tile_size, reps, args.device, args.timeout)
             results.append(r)

@@ -19,20 +19,29 @@ def _extras(index: int, store: FeatureStore = None) -> dict:
 
 
 class WithSampleExtras(Dataset):
-    """A map-style dataset (OpenCLIP's CSV or synthetic) whose row number is the sample index."""
+    """A map-style dataset (OpenCLIP's CSV or synthetic) whose row number is the sample index.
 
-    def __init__(self, dataset, store: FeatureStore = None):
+    Its random augmentation is seeded by (seed, epoch, index), so a sample looks the same whichever rank, loader
+    worker or process draws it: a resumed run, or one with another world size, sees exactly the same batches.
+    The epoch is read from the (distributed) sampler, which OpenCLIP sets before every epoch.
+    """
+
+    def __init__(self, dataset, sampler, seed: int, store: FeatureStore = None):
         if store is not None and store.num_samples != len(dataset):
             raise ValueError(f"'{store.root}' holds {store.num_samples} reference features, the dataset has "
                              f"{len(dataset)} samples")
         self.dataset = dataset
+        self.sampler = sampler
+        self.seed = seed
         self.store = store
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        image, text = self.dataset[index]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index)
+            image, text = self.dataset[index]
         return image, text, _extras(index, self.store)
 
 

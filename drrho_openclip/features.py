@@ -13,6 +13,7 @@ the manifest is written last: an interrupted precompute leaves no store that loo
 import bisect
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -148,12 +149,14 @@ class FeatureStore:
 
 
 class FeatureStoreWriter:
-    """Writes a store shard by shard; `close()` writes the manifest that marks it finished."""
+    """Writes a store shard by shard into `<root>.partial/`; `close()` writes the manifest and only then moves the
+    finished store to `root` (replacing a previous one), so `root` always holds a complete store or none."""
 
     def __init__(self, root, model: str, pretrained: str, dim: int, dtype: str = 'float16'):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.root = Path(root)
+        self.final = Path(root)
+        self.root = self.final.with_name(self.final.name + '.partial')
         self.root.mkdir(parents=True, exist_ok=True)
         self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dim=int(dim), dtype=dtype)
         self.shards = []
@@ -170,6 +173,11 @@ class FeatureStoreWriter:
         self.shards.append(dict(name=name, count=len(keys)))
 
     def close(self):
-        tmp = self.root / (MANIFEST + '.tmp')
-        tmp.write_text(json.dumps({**self.meta, 'shards': self.shards}, indent=1))
-        os.replace(tmp, self.root / MANIFEST)
+        (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'shards': self.shards}, indent=1))
+        if self.final.exists():
+            previous = self.final.with_name(self.final.name + '.previous')
+            os.replace(self.final, previous)
+            os.replace(self.root, self.final)
+            shutil.rmtree(previous)
+        else:
+            os.replace(self.root, self.final)

@@ -264,7 +264,6 @@ def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
     if 'train' not in data or args.loss == 'clip':
         return data
     from open_clip_train.data import CsvDataset, SyntheticDataset
-    from .data import WithSampleExtras
     from .features import FeatureStore
     store = FeatureStore.open(args.ref_features) if args.ref_features else None
     info = data['train']
@@ -274,7 +273,7 @@ def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
             if isinstance(dataset, SyntheticDataset):
                 raise ValueError("--ref-features cannot describe --dataset-type synthetic")
             check_csv_keys(store, args.train_data, dataset.images)
-        data['train'] = _rebuild_map_loader(info, WithSampleExtras(dataset, store), args)
+        data['train'] = _map_loader_with_extras(info, dataset, store, args)
         args.sample_index_size = len(dataset)
     else:
         if store is None:
@@ -299,14 +298,18 @@ def check_csv_keys(store, csv_path, images):
                                     f"'{image}' in '{csv_path}'")
 
 
-def _rebuild_map_loader(info, dataset, args):
-    from torch.utils.data import DataLoader
+def _map_loader_with_extras(info, dataset, store, args):
+    """OpenCLIP's CSV/synthetic loader, with the extras, and always a seeded DistributedSampler (one replica when not
+    distributed) so that each epoch's order is a function of (seed, epoch): exact resume, equal across world sizes."""
+    from torch.utils.data import DataLoader, DistributedSampler
     from open_clip_train.data import DataInfo
-    old = info.dataloader
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=info.sampler is None,
-                        num_workers=args.workers, pin_memory=old.pin_memory, sampler=info.sampler, drop_last=True)
-    loader.num_samples, loader.num_batches = old.num_samples, old.num_batches
-    return DataInfo(loader, info.sampler, info.shared_epoch)
+    from .data import WithSampleExtras
+    sampler = DistributedSampler(dataset, num_replicas=args.world_size, rank=args.rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(WithSampleExtras(dataset, sampler, args.seed, store), batch_size=args.batch_size,
+                        num_workers=args.workers, pin_memory=info.dataloader.pin_memory, sampler=sampler,
+                        drop_last=True)
+    loader.num_samples, loader.num_batches = info.dataloader.num_samples, len(loader)
+    return DataInfo(loader, sampler)
 
 
 def _wds_with_extras(args, preprocess_img, store, epoch, tokenizer):

@@ -10,6 +10,7 @@ tokenizer, so the features do not depend on the learner's preprocessing.
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import braceexpand
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .features import FeatureStoreWriter, shard_name
+from .features import MANIFEST, FeatureStoreWriter, shard_name
 
 
 def parse_args(argv=None):
@@ -33,6 +34,7 @@ def parse_args(argv=None):
     p.add_argument('--csv-img-key', default='filepath')
     p.add_argument('--csv-caption-key', default='title')
     p.add_argument('--output', required=True, help='directory of the feature store to write')
+    p.add_argument('--overwrite', action='store_true', help='replace an existing store in --output')
     p.add_argument('--dtype', choices=['float16', 'float32'], default='float16',
                    help='storage dtype (default: %(default)s, half the bytes of float32)')
     p.add_argument('--batch-size', type=int, default=256)
@@ -71,7 +73,6 @@ def create_model(name: str, pretrained: str = None, device='cpu'):
     """An OpenCLIP model and its evaluation transform, from a pretrained tag or a local checkpoint file (OpenCLIP's
     own factory ignores `pretrained` for `local-dir:` models, so files are loaded here)."""
     import open_clip
-    from pathlib import Path
     is_file = pretrained is not None and Path(pretrained).is_file()
     model, _, preprocess = open_clip.create_model_and_transforms(
         name, pretrained=None if is_file else pretrained, device=device)
@@ -90,6 +91,8 @@ def _encode(model, images, texts, device):
 def main(argv=None):
     import open_clip
     args = parse_args(argv)
+    if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
+        raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     model, preprocess = create_model(args.model, args.pretrained, args.device)
     tokenizer = open_clip.get_tokenizer(args.model)

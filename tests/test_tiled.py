@@ -94,18 +94,31 @@ def _elementwise_log_weight(sim, mask):
     return -0.5 * (sim - 0.3) ** 2 / 0.7
 
 
+def _aliasing_log_weight(sim, mask):
+    return sim   # a view of the similarities themselves: the implementation must not modify it in place
+
+
+def _constant_log_weight(sim, mask):
+    return torch.tensor(0.25, dtype=sim.dtype)   # broadcast, not [b, T]
+
+
+@pytest.mark.parametrize('log_weight', [_elementwise_log_weight, _aliasing_log_weight, _constant_log_weight])
 @pytest.mark.parametrize('normalized', [False, True])
 @pytest.mark.parametrize('tile_size', [1, 3, 7, B_CANDIDATES + 1])
-def test_negative_log_weight(tile_size, normalized):
-    nlw = RowNormalizedLogWeight(_elementwise_log_weight) if normalized else _elementwise_log_weight
+def test_negative_log_weight(tile_size, normalized, log_weight):
+    nlw = RowNormalizedLogWeight(log_weight) if normalized else log_weight
     anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(11 + tile_size, 'per_row', True)
     args = (anchors, candidates, 5, inv_tau, ref_a, ref_c, upstream, nlw)
     reference = _value_and_grads(log_mean_exp_rows, *args)
     tiled = _value_and_grads(make_tiled_row_aggregate(tile_size), *args)
     _assert_same(reference, tiled)
-    # the weights change the result, so this is not the unweighted case in disguise
+    # the weights change the result (except a constant weight normalised away), so this is not the unweighted
+    # case in disguise
     unweighted = log_mean_exp_rows(*args[:6])
-    assert (unweighted - reference[0]).abs().max() > 1e-2
+    if not (normalized and log_weight is _constant_log_weight):
+        assert (unweighted - reference[0]).abs().max() > 1e-2
+    else:
+        torch.testing.assert_close(tiled[0], unweighted)
 
 
 def test_row_normalized_log_weight_averages_to_one_over_negatives():

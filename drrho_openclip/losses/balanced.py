@@ -15,7 +15,6 @@ Distributed: rows are this rank's anchors, columns the global batch (gathered wi
 log-sum-exp over all ranks' rows is gathered with gradient too, so value and gradients equal the global loss.
 """
 import torch
-import torch.distributed.nn
 from torch import nn
 
 from .core import ReferenceFeatures, at_least_float32, gather_batch
@@ -23,10 +22,7 @@ from .core import ReferenceFeatures, at_least_float32, gather_batch
 
 def column_logsumexp(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """log Σ over the rows of every rank, per column: [1, N]."""
-    lse = x.logsumexp(dim=0)
-    if world_size > 1:
-        lse = torch.stack(torch.distributed.nn.all_gather(lse)).logsumexp(dim=0)
-    return lse[None]
+    return gather_batch(x.logsumexp(dim=0, keepdim=True), world_size, with_grad=True).logsumexp(dim=0, keepdim=True)
 
 
 def balance(logits: torch.Tensor, steps: int, world_size: int) -> torch.Tensor:

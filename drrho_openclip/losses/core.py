@@ -18,22 +18,41 @@ from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn
 from torch import nn
 
 from .distill import distillation_loss
 
 
-def gather_batch(tensor: torch.Tensor, world_size: int, with_grad: bool) -> torch.Tensor:
-    """Concatenate `tensor` from every rank in rank order (the global batch)."""
-    if world_size == 1:
-        return tensor
-    if with_grad:
-        # the backward pass sums the gradients of all ranks onto each rank's slice
-        return torch.cat(torch.distributed.nn.all_gather(tensor), dim=0)
+def _all_gather(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor.contiguous())
     return torch.cat(parts, dim=0)
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """All-gather whose backward sums every rank's gradient of the global batch and keeps this rank's slice: with
+    DDP's averaging, the parameters then get the gradient of the mean loss over all ranks' anchors."""
+
+    @staticmethod
+    def forward(ctx, tensor, world_size):
+        ctx.rows = tensor.shape[0]
+        return _all_gather(tensor, world_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        start = dist.get_rank() * ctx.rows
+        return grad[start:start + ctx.rows], None
+
+
+def gather_batch(tensor: torch.Tensor, world_size: int, with_grad: bool) -> torch.Tensor:
+    """Concatenate `tensor` from every rank in rank order (the global batch); equal sizes on all ranks."""
+    if world_size == 1:
+        return tensor
+    if with_grad:
+        return _GatherWithGrad.apply(tensor, world_size)
+    return _all_gather(tensor, world_size)
 
 
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ def distillation_loss(anchors, candidates, ref_anchors, ref_candidates, logit_sc
     reference pairs likewise. `logit_scale` is the student's (gradient flows to it), `teacher_logit_scale` a number."""
     (image, text), (all_image, all_text) = anchors, candidates
     (ref_image, ref_text), (all_ref_image, all_ref_text) = ref_anchors, ref_candidates
-    image_to_text = soft_cross_entropy(teacher_logit_scale * ref_image @ all_ref_text.T, logit_scale * image @ all_text.T)
-    text_to_image = soft_cross_entropy(teacher_logit_scale * ref_text @ all_ref_image.T, logit_scale * text @ all_image.T)
+    t, s = teacher_logit_scale, logit_scale
+    image_to_text = soft_cross_entropy(t * ref_image @ all_ref_text.T, s * image @ all_text.T)
+    text_to_image = soft_cross_entropy(t * ref_text @ all_ref_image.T, s * text @ all_image.T)
     return (image_to_text + text_to_image) / 2

@@ -51,7 +51,8 @@ class JESTLoss(ReferenceFeatures, nn.Module):
         selected = round(super_batch * self.selection_ratio)
         if selected < max(self.num_chunks, 2):
             raise ValueError(f"JEST keeps {selected} of a super-batch of {super_batch} per rank, fewer than "
-                             f"{max(self.num_chunks, 2)}: raise --batch-size or the selection ratio, or use fewer chunks")
+                             f"{max(self.num_chunks, 2)}: raise --batch-size or the selection ratio, or use fewer "
+                             f"chunks")
         return [len(c) for c in torch.arange(selected).tensor_split(self.num_chunks)]
 
     def _gumbel(self, scores):
@@ -97,8 +98,10 @@ class JESTLoss(ReferenceFeatures, nn.Module):
         if ref_image_features is None or ref_text_features is None:
             raise ValueError("JEST scores learnability with the reference model: the batch carries no reference "
                              "features (pass --ref-features DIR or --ref-model)")
-        if accum_step:  # a later call on the same window: its first call's selection
-            selected = self._window
+        if accum_step:
+            # a later call on the same window: its first call's selection; logit_scale's gradient, which depends
+            # only on the window's feature values, came whole with that call
+            selected, logit_scale = self._window, logit_scale.detach()
         else:
             selected = self.select(image_features, text_features, logit_scale, ref_image_features, ref_text_features)
             self._window = selected if accum_step is not None else None

@@ -2,7 +2,8 @@
 and a temperature network (TempNet). Both give one τ per anchor and direction, and both are learned from the
 τ-gradient of the core's per-anchor objective,
 
-    G_i = ∂(τ_i F_i + ρ τ_i)/∂τ_i = log(ε + u_i) − Σ_{j≠i} w_ij ℓ̂_ij / τ_i / (B−1) + ρ,   w_ij = exp(ℓ̂_ij/τ_i)/(ε + u_i),
+    G_i = ∂(τ_i F_i + ρ τ_i)/∂τ_i = log(ε + u_i) − Σ_{j≠i} w_ij ℓ̂_ij / τ_i / (B−1) + ρ,
+    w_ij = exp(ℓ̂_ij/τ_i) / (ε + u_i),
 
 which the core's surrogate carries (`core.sogclr_estimate`): the table by its own Adam step, TempNet by autograd.
 """
@@ -22,7 +23,8 @@ class PerSampleTemperature(nn.Module):
     model's optimiser: once per optimiser step the core calls `step(objective)`, which takes G_i by autograd on the
     leaf rows that `forward` handed out, and applies a per-sample Adam step
 
-        m_i ← β1 m_i + (1−β1) G_i,   v_i ← β2 v_i + (1−β2) G_i²,   τ_i ← clip(τ_i − lr · m_i / (√v_i + eps), τ_min, τ_max).
+        m_i ← β1 m_i + (1−β1) G_i,   v_i ← β2 v_i + (1−β2) G_i²,
+        τ_i ← clip(τ_i − lr · m_i / (√v_i + eps), τ_min, τ_max).
 
     m and v start at a sample's first G and G² (NaN marks an unvisited sample), which leaves them unbiased without
     Adam's step-count correction (the official code's substitute, (epoch+1), assumes one visit per epoch).
@@ -103,7 +105,8 @@ class TempNet(nn.Module):
         nn.init.zeros_(self.pool.bias)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(torch.sigmoid(self.transform(embeddings)))
+        # in the network's own dtype (a pure-bf16 model makes it bf16); the loss casts τ back to its compute dtype
+        x = self.dropout(torch.sigmoid(self.transform(embeddings.to(self.transform.weight.dtype))))
         logits = x @ F.normalize(self.prototypes, dim=1).T
         attention = torch.softmax(logits / self.log_pool_temperature.exp(), dim=1)
         z = self.pool((attention - 1 / logits.shape[1]) * torch.sigmoid(logits)).squeeze(1)

@@ -107,8 +107,10 @@ def _positive_rows(c0, c1, offset, b, device):
 class _TiledLogMeanExpRows(torch.autograd.Function):
 
     @staticmethod
-    def _tile_logits(a, c_tile, inv_tau_col, s_pos, ref_a, rc_tile, r_pos, c0, offset, log_weight, keep_ell):
-        """The tile's logits ℓ̂_ij·inv_tau_i + log w_ij with the positives at −inf; ℓ̂_ij too if `keep_ell`."""
+    def _tile_logits(a, c_tile, inv_tau_col, s_pos, ref_a, rc_tile, r_pos, c0, offset, log_weight, keep_ell,
+                     keep_log_w=False):
+        """The tile's logits ℓ̂_ij·inv_tau_i + log w_ij with the positives at −inf; ℓ̂_ij too if `keep_ell`, and
+        the log-weights (positives at −inf) if `keep_log_w`."""
         sim = a @ c_tile.T
         b, t = sim.shape
         positives = _positive_rows(c0, c0 + t, offset, b, a.device)
@@ -117,7 +119,7 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
             mask = torch.zeros(b, t, dtype=torch.bool, device=a.device)
             if positives is not None:
                 mask[positives] = True
-            log_w = log_weight(sim, mask).to(sim.dtype)
+            log_w = log_weight(sim, mask).to(sim.dtype).expand(b, t)  # a broadcastable result is fine
             ell = sim - s_pos[:, None]   # not in place: log_w may be a view of sim
         else:
             ell = sim.sub_(s_pos[:, None])
@@ -130,8 +132,10 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         logits = ell * inv_tau_col if keep_ell else ell.mul_(inv_tau_col)
         if log_w is not None:
             logits.add_(log_w)
-            if positives is not None:
-                log_w[positives] = float('-inf')
+            if not keep_log_w:
+                log_w = None
+            elif positives is not None:  # out of place: log_w may be a view of anything
+                log_w = log_w.index_put(positives, log_w.new_tensor(float('-inf')))
         if positives is not None:
             logits[positives] = float('-inf')
         return logits, (ell if keep_ell else None), log_w
@@ -165,7 +169,7 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
             rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
             logits, _, log_w = _TiledLogMeanExpRows._tile_logits(
                 anchors, candidates[c0:c1], inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset,
-                log_weight, keep_ell=False)
+                log_weight, keep_ell=False, keep_log_w=normalize)
             run_max, run_sum = accumulate(run_max, run_sum, logits)
             if normalize:
                 w_max, w_sum = accumulate(w_max, w_sum, log_w)

@@ -1,0 +1,65 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from drrho_openclip.demo import make_split, write_tiny_model
+from drrho_openclip.features import FeatureStoreWriter, shard_name
+
+
+@pytest.fixture(scope='session')
+def shapes(tmp_path_factory):
+    """64 drawn image-caption pairs (CSV), a tiny model config and a matching reference-feature store."""
+    root = tmp_path_factory.mktemp('shapes')
+    csv = make_split(root, 'train', 64, seed=0)
+    model = write_tiny_model(root / 'tiny')
+    paths = [line.split('\t')[0] for line in csv.read_text().splitlines()[1:]]
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(2, len(paths), 16))
+    features /= np.linalg.norm(features, axis=-1, keepdims=True)
+    writer = FeatureStoreWriter(root / 'ref', model='test', pretrained='', dim=16)
+    writer.add_shard(shard_name(csv), paths, features[0], features[1])
+    writer.close()
+    return dict(root=root, csv=csv, model=model, ref=root / 'ref')
+
+
+def train_args(shapes, logs, name, *extra, batch_size=8, epochs=1):
+    return ['--train-data', shapes['csv'], '--dataset-type', 'csv', '--csv-separator', '\t',
+            '--csv-img-key', 'filepath', '--csv-caption-key', 'title', '--model', shapes['model'],
+            '--batch-size', batch_size, '--epochs', epochs, '--lr', '1e-3', '--wd', '0.1', '--warmup', '2',
+            '--workers', '0', '--precision', 'fp32', '--device', 'cpu', '--seed', '0', '--logs', logs,
+            '--name', name, '--save-frequency', '1', *extra]
+
+
+def openclip_command(args, nproc=1):
+    args = [str(a) for a in args]
+    if nproc == 1:
+        return [sys.executable, '-m', 'open_clip_train.main', *args]
+    # `--` keeps torchrun from reading --logs as an abbreviation of its own options
+    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+            '-m', 'open_clip_train.main', '--', *args]
+
+
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1'}
+
+
+def start_openclip(args):
+    return subprocess.Popen(openclip_command(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+
+
+def run_openclip(args, nproc=1, cwd=None, check=True):
+    """`python -m open_clip_train.main ARGS` (or torchrun with `nproc` gloo ranks); returns the CompletedProcess."""
+    cmd = openclip_command(args, nproc)
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=ENV, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+def checkpoint(logs, name, epoch):
+    import torch
+    return torch.load(Path(logs) / name / 'checkpoints' / f'epoch_{epoch}.pt', map_location='cpu')

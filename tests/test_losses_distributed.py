@@ -1,0 +1,126 @@
+"""Two gloo processes with half the batch each equal one process with the whole batch: loss values, gradients
+(features: the sum over ranks, as all_gather's backward gives it; logit_scale and TempNet: the mean, as DDP gives
+it), and the replicated per-sample tables. JEST's draws are per rank, conditioned on the global selection."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from drrho_openclip.losses import create_loss
+
+WORLD, B = 2, 6  # per-rank batch
+NUM_SAMPLES = 20
+
+# (loss, options, epochs of the steps)
+SCENARIOS = {
+    'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05), (0, 1)),
+    'drrho+kd': ('drrho', dict(gamma=1.0, temperature=0.05, distill_weight=0.3), (0,)),
+    'fastclip+kd': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, distill_weight=0.3), (0, 1)),
+    'isogclr': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01), (0, 1, 1)),
+    'tempnet': ('tempnet', dict(embed_dim=5, tempnet_width=8, tempnet_prototypes=4, gamma=0.5), (0, 1)),
+    'adnce': ('adnce', dict(adnce_sigma=0.3), (0,)),
+    'balanced2': ('balanced', dict(balance_steps=2), (0,)),
+    'balanced3': ('balanced', dict(balance_steps=3, reference_shift=True), (0,)),
+    'clip+kd': ('clip', dict(distill_weight=0.4), (0,)),
+    'jest': ('jest', dict(selection_ratio=0.5, num_chunks=3), (0,)),
+    'jest-topk': ('jest-topk', dict(selection_ratio=0.5, num_chunks=2), (0,)),
+}
+
+
+def full_batch(step):
+    g = torch.Generator().manual_seed(step)
+    n = WORLD * B
+    image, text = (F.normalize(torch.randn(n, 5, generator=g, dtype=torch.float64), dim=1) for _ in range(2))
+    ref_image = F.normalize(image[:, :4] + 0.5 * torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
+    ref_text = F.normalize(text[:, :4] + 0.5 * torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
+    index = torch.randperm(NUM_SAMPLES, generator=g)[:n]
+    return image, text, ref_image, ref_text, index
+
+
+def run(scenario, rank, world_size):
+    """Every step's (value, feature grads, logit_scale grad, parameter grads) and the final state_dict."""
+    name, options, epochs = SCENARIOS[scenario]
+    loss = create_loss(name, num_samples=NUM_SAMPLES, rank=rank, world_size=world_size, **options).double().eval()
+    torch.manual_seed(0)
+    loss.load_state_dict(create_loss(name, num_samples=NUM_SAMPLES, **options).double().state_dict())  # same TempNet
+    if name.startswith('jest'):
+        loss.generator = torch.Generator().manual_seed(100 + rank)
+    rows = slice(rank * B, (rank + 1) * B) if world_size > 1 else slice(None)
+    params = list(loss.parameters())
+    steps = []
+    for step, epoch in enumerate(epochs):
+        if hasattr(loss, 'set_epoch'):
+            loss.set_epoch(epoch)
+        image, text, ref_image, ref_text, index = full_batch(step)
+        image, text = image[rows].clone().requires_grad_(), text[rows].clone().requires_grad_()
+        logit_scale = torch.tensor(15.0, dtype=torch.float64, requires_grad=True)
+        out = loss(image, text, logit_scale, index=index[rows], ref_image_features=ref_image[rows],
+                   ref_text_features=ref_text[rows], output_dict=True)
+        total = sum(out.values())
+        grads = torch.autograd.grad(total, [image, text, logit_scale] + params, allow_unused=True)
+        grads = [torch.zeros(()) if g is None else g for g in grads]
+        value = total.detach().clone()
+        if world_size > 1:  # DDP's view: the mean over ranks of the value and of replicated parameters' grads
+            for t in [value] + grads[2:]:
+                dist.all_reduce(t)
+                t /= world_size
+        steps.append([value] + grads)
+    return steps, {k: v.clone() for k, v in loss.state_dict().items()}
+
+
+def worker(rank, world_size, store, out_dir):
+    dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    results = {scenario: run(scenario, rank, world_size) for scenario in SCENARIOS}
+    torch.save(results, os.path.join(out_dir, f'rank{rank}.pt'))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope='module')
+def distributed(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp('ranks')
+    mp.spawn(worker, args=(WORLD, str(out_dir / 'store'), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f'rank{r}.pt') for r in range(WORLD)]
+
+
+@pytest.mark.parametrize('scenario', [s for s in SCENARIOS if not s.startswith('jest')])  # JEST: below
+def test_two_ranks_equal_one(distributed, scenario):
+    single_steps, single_state = run(scenario, 0, 1)
+    for rank, results in enumerate(distributed):
+        steps, state = results[scenario]
+        for got, want in zip(steps, single_steps):
+            value, g_image, g_text, *replicated = got
+            rows = slice(rank * B, (rank + 1) * B)
+            torch.testing.assert_close(value, want[0], rtol=1e-9, atol=1e-12)
+            # all_gather's backward sums every rank's loss; the single process averages them
+            torch.testing.assert_close(g_image, WORLD * want[1][rows], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(g_text, WORLD * want[2][rows], rtol=1e-9, atol=1e-12)
+            for a, b in zip(replicated, want[3:]):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        for key, value in single_state.items():  # the tables are replicated, whole, on every rank
+            torch.testing.assert_close(state[key], value, equal_nan=True, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize('scenario', ['jest', 'jest-topk'])
+def test_jest_selection_is_global(distributed, scenario):
+    from test_losses_reference import clip_reference, jest_reference
+    name, options, _ = SCENARIOS[scenario]
+    image, text, ref_image, ref_text, _ = full_batch(0)
+    ranks = [tuple(x[r * B:(r + 1) * B] for x in (image, text, ref_image, ref_text)) for r in range(WORLD)]
+    selected = jest_reference(ranks, 15.0, 100.0, options['selection_ratio'], options['num_chunks'],
+                              name == 'jest-topk', [torch.Generator().manual_seed(100 + r) for r in range(WORLD)])
+    rows = torch.tensor([r * B + i for r in range(WORLD) for i in selected[r]])
+    image, text = image.requires_grad_(), text.requires_grad_()
+    logit_scale = torch.tensor(15.0, dtype=torch.float64, requires_grad=True)
+    want = clip_reference(image[rows], text[rows], logit_scale)
+    want_grads = torch.autograd.grad(want, [image, text, logit_scale])
+    for rank, results in enumerate(distributed):
+        (value, g_image, g_text, g_scale), = results[scenario][0]
+        local = slice(rank * B, (rank + 1) * B)
+        torch.testing.assert_close(value, want.detach(), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(g_image, WORLD * want_grads[0][local], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(g_text, WORLD * want_grads[1][local], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(g_scale, want_grads[2], rtol=1e-9, atol=1e-12)

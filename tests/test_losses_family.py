@@ -1,0 +1,265 @@
+"""The registered family: defaults and help, option checks, checkpoints, gradient accumulation, fp32 stability."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drrho_openclip.losses import attach_to_model, create_loss, get_loss_spec, list_losses
+
+EXTRAS_FREE = {'clip'}  # OpenCLIP's own ClipLoss takes no plugin keywords
+
+
+def unit(g, n, d, dtype=torch.float32):
+    return F.normalize(torch.randn(n, d, generator=g, dtype=dtype), dim=1)
+
+
+def make_batch(seed, n, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    image, text = unit(g, n, d, dtype), unit(g, n, d, dtype)
+    ref_image = F.normalize(image + 0.7 * unit(g, n, d, dtype), dim=1)
+    ref_text = F.normalize(text + 0.7 * unit(g, n, d, dtype), dim=1)
+    return image, text, ref_image, ref_text
+
+
+# every loss with the options a small test needs (and KD variants)
+CASES = {
+    'clip': dict(),
+    'clip+kd': dict(distill_weight=0.5),
+    'drrho': dict(gamma=0.5),
+    'drrho+kd': dict(gamma=0.5, distill_weight=0.25),
+    'sogclr': dict(gamma=0.5),
+    'fastclip': dict(),
+    'fastclip+kd': dict(distill_weight=0.25),
+    'isogclr': dict(),
+    'tempnet': dict(embed_dim=8),
+    'adnce': dict(),
+    'balanced': dict(),
+    'jest': dict(),
+    'jest-topk': dict(),
+}
+
+
+def build(case, num_samples=64, **overrides):
+    name = case.split('+')[0]
+    options = {**CASES[case], **overrides}
+    if get_loss_spec(name).stateful:
+        options.setdefault('num_samples', num_samples)
+    return create_loss(name, **options)
+
+
+def call(loss, case, image, text, logit_scale, index, ref_image, ref_text, **kw):
+    if case in EXTRAS_FREE:
+        return loss(image, text, logit_scale, output_dict=True)
+    return loss(image, text, logit_scale, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
+                output_dict=True, **kw)
+
+
+def set_epoch(loss, epoch):
+    if hasattr(loss, 'set_epoch'):  # the losses with per-sample state
+        loss.set_epoch(epoch)
+
+
+def test_every_loss_has_help_and_paper_defaults():
+    assert set(list_losses()) >= {'clip', 'drrho', 'sogclr', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced',
+                                  'jest', 'jest-topk'}
+    for name in list_losses():
+        spec = get_loss_spec(name)
+        assert spec.help and '\n' not in spec.help
+        assert spec.reference in ('none', 'optional', 'required')
+    assert get_loss_spec('fastclip').defaults['rho'] == 8.5
+    assert get_loss_spec('jest').defaults == dict(selection_ratio=0.2, num_chunks=2, reference_logit_scale=100.0)
+    assert get_loss_spec('balanced').defaults['balance_steps'] == 2
+    assert get_loss_spec('drrho').defaults['reference_logit_scale'] == 100.0
+
+
+@pytest.mark.parametrize('name, options, message', [
+    ('sogclr', dict(distill_weight=0.5), 'no option distill_weight'),
+    ('clip', dict(selection_ratio=0.5), 'no option selection_ratio'),
+    ('fastclip', dict(learn_temperature=False), 'use the loss sogclr'),
+    ('isogclr', dict(num_samples=10, learn_temperature=True), 'learns its own temperatures'),
+    ('isogclr', dict(), 'dataset size'),
+    ('isogclr', dict(num_samples=10, tau_min=0.1), 'tau_min'),
+    ('tempnet', dict(num_samples=10), 'embed_dim'),
+    ('tempnet', dict(num_samples=10, embed_dim=4, tau_min=0.1, tau_max=0.1), 'tau_min < tau_max'),
+    ('drrho', dict(num_samples=10, distill_weight=1.5), 'in [0, 1]'),
+    ('clip', dict(distill_weight=-0.1), 'in (0, 1]'),
+    ('adnce', dict(adnce_sigma=0.0), 'σ must be > 0'),
+    ('balanced', dict(balance_steps=0), 'at least one balancing step'),
+    ('jest', dict(selection_ratio=0.0), 'selection ratio'),
+    ('jest', dict(num_chunks=0), 'at least one chunk'),
+])
+def test_bad_options_raise(name, options, message):
+    with pytest.raises(ValueError, match=message.replace('(', r'\(').replace(')', r'\)').replace('[', r'\[')):
+        create_loss(name, **options)
+
+
+def test_bad_calls_raise():
+    image, text, _, _ = make_batch(0, 8)
+    with pytest.raises(ValueError, match='no reference features'):
+        create_loss('fastclip', distill_weight=0.3, gamma=1.0)(image, text, torch.tensor(10.0))
+    with pytest.raises(ValueError, match='reference'):
+        create_loss('clip', distill_weight=0.3)(image, text, torch.tensor(10.0))
+    with pytest.raises(ValueError, match='reference'):
+        create_loss('jest')(image, text, torch.tensor(10.0))
+    with pytest.raises(ValueError, match='raise --batch-size'):
+        create_loss('jest', num_chunks=3)(image, text, torch.tensor(10.0), ref_image_features=image,
+                                          ref_text_features=text)
+    with pytest.raises(ValueError, match='sample `index`'):
+        create_loss('isogclr', num_samples=8)(image, text)
+    with pytest.raises(IndexError, match='outside the per-sample state'):
+        create_loss('isogclr', num_samples=4)(image, text, index=torch.arange(8))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints: loss.state_dict() holds every per-sample table (and TempNet's parameters)
+
+
+def tables(loss):
+    return {k: v.clone() for k, v in loss.state_dict().items()}
+
+
+@pytest.mark.parametrize('case', ['drrho', 'sogclr', 'isogclr', 'tempnet', 'fastclip'])
+def test_state_dict_round_trip(case):
+    num_samples, n = 24, 8
+    loss = build(case, num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1)
+    loss.eval()  # TempNet's dropout off, so that two copies compute the same
+    logit_scale = torch.tensor(20.0)
+    for step in range(3):
+        loss.set_epoch(step)
+        image, text, ref_image, ref_text = make_batch(step, n)
+        index = torch.randperm(num_samples, generator=torch.Generator().manual_seed(step))[:n]
+        call(loss, case, image, text, logit_scale, index, ref_image, ref_text)
+    saved = tables(loss)
+    assert any(torch.isnan(v).any() for k, v in saved.items() if k.startswith('state.')), "unvisited rows stay NaN"
+    if case == 'isogclr':
+        assert {'temperature.tau_image', 'temperature.exp_avg_sq_text'} <= set(saved)
+    if case == 'tempnet':
+        assert 'temperature.image.prototypes' in saved
+
+    resumed = build(case, num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1).eval()
+    resumed.load_state_dict(saved)
+    for key, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, saved[key], equal_nan=True, rtol=0, atol=0)
+    image, text, ref_image, ref_text = make_batch(9, n)
+    index = torch.arange(n) + 3
+    for copy_ in (loss, resumed):
+        copy_.set_epoch(3)
+    a = call(loss, case, image, text, logit_scale, index, ref_image, ref_text)
+    b = call(resumed, case, image, text, logit_scale, index, ref_image, ref_text)
+    assert torch.equal(a['contrastive_loss'], b['contrastive_loss'])
+    for key, value in loss.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, equal_nan=True, rtol=0, atol=0)
+
+
+def test_resume_without_state_or_other_size_fails():
+    loss = build('isogclr', num_samples=16, gamma=0.5)
+    with pytest.raises(RuntimeError, match='per-sample state'):
+        loss.load_state_dict({k: v for k, v in loss.state_dict().items() if not k.startswith('state.')})
+    with pytest.raises(RuntimeError):
+        loss.load_state_dict(build('isogclr', num_samples=20, gamma=0.5).state_dict())
+
+
+def test_tempnet_attaches_to_the_model():
+    model = torch.nn.Module()
+    model.logit_scale = torch.nn.Parameter(torch.tensor(2.0))
+    loss = build('tempnet')
+    assert attach_to_model(model, loss) == ['loss_temperature']
+    assert model.loss_temperature is loss.temperature
+    names = {n for n, _ in model.named_parameters()}
+    assert 'loss_temperature.image.transform.weight' in names and 'loss_temperature.text.pool.bias' in names
+    assert 'loss_temperature.image.prototypes' in model.state_dict()
+    assert attach_to_model(torch.nn.Module(), build('drrho')) == []  # no learnable modules: nothing attached
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gradient accumulation: OpenCLIP calls the loss once per chunk on the whole window, the chunk's features live
+
+
+ACCUM_CASES = ['drrho', 'drrho+kd', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
+
+
+@pytest.mark.parametrize('case', ACCUM_CASES)
+def test_accumulation_equals_one_call(case):
+    """accum_freq = 2: state and per-sample τ move once per window, the chunks' feature gradients add up to the
+    one-call gradient, and τ's own gradient (logit_scale, TempNet) arrives once, not accum_freq times."""
+    num_samples, n = 32, 12
+    options = dict(num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1)
+    one, accum = build(case, **options).eval(), build(case, **options).eval()
+    accum.load_state_dict(one.state_dict())  # same TempNet weights
+    image, text, ref_image, ref_text = make_batch(1, n, dtype=torch.float64)
+    index = torch.randperm(num_samples, generator=torch.Generator().manual_seed(1))[:n]
+    for loss in (one, accum):
+        set_epoch(loss, 0)  # first visits, then revisits at γ < 1
+        call(loss, case, image.flip(0), text.flip(0), torch.tensor(20.0), index.flip(0), ref_image.flip(0),
+             ref_text.flip(0))
+        set_epoch(loss, 1)
+    if case == 'jest':
+        one.generator, accum.generator = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+
+    def leaves():
+        return image.clone().requires_grad_(), text.clone().requires_grad_(), torch.tensor(
+            20.0, dtype=torch.float64, requires_grad=True)
+
+    params = [p for p in one.parameters()]
+    i1, t1, s1 = leaves()
+    total = sum(call(one, case, i1, t1, s1, index, ref_image, ref_text).values())
+    want = torch.autograd.grad(total, [i1, t1, s1] + params, allow_unused=True)
+
+    i2, t2, s2 = leaves()
+    accum_params = [p for p in accum.parameters()]
+    got = [torch.zeros_like(x) for x in (i2, t2, s2)] + [torch.zeros_like(p) for p in accum_params]
+    chunks = [slice(0, n // 2), slice(n // 2, n)]
+    for j, live in enumerate(chunks):
+        # the window as OpenCLIP rebuilds it: cached (detached) features, chunk j recomputed with gradient
+        img = torch.cat([i2[c] if c == live else i2[c].detach() for c in chunks])
+        txt = torch.cat([t2[c] if c == live else t2[c].detach() for c in chunks])
+        out = sum(call(accum, case, img, txt, s2, index, ref_image, ref_text, accum_step=j).values())
+        assert torch.allclose(out, total, rtol=1e-6), "every call of the window has the window's loss value"
+        step = torch.autograd.grad(out, [i2, t2, s2] + accum_params, allow_unused=True)
+        got = [a + b if b is not None else a for a, b in zip(got, step)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-6, atol=1e-9)
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(accum.state_dict()[key], value, equal_nan=True, rtol=1e-6, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float32 at τ = 0.01 and a batch of 4096: no inf or nan in the loss, its gradients or its state
+
+
+# drrho+kd computes what fastclip+kd does at logit scale 100; two steps where a state's update has its own code
+STABILITY_STEPS = {**{case: 1 for case in CASES if case != 'drrho+kd'}, 'drrho': 2, 'isogclr': 2}
+
+
+@pytest.mark.parametrize('case', list(STABILITY_STEPS))
+def test_stable_in_float32_at_tau_001(case):
+    n = 4096
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    image, text = unit(g, n, 32), unit(g, n, 32)
+    # aligned pairs, as late in training: the positives far above the negatives, ℓ/τ spanning hundreds
+    text = F.normalize(image + 0.3 * text, dim=1)
+    ref_image = F.normalize(image + 0.5 * unit(g, n, 32), dim=1)
+    ref_text = F.normalize(text + 0.5 * unit(g, n, 32), dim=1)
+    image.requires_grad_(), text.requires_grad_()
+    logit_scale = torch.tensor(100.0, requires_grad=True)
+    options = dict(temperature=0.01)
+    if case.startswith('isogclr'):
+        options.update(tau_min=0.01)
+    if case.startswith('tempnet'):
+        options = dict(embed_dim=32)  # its own τ ∈ [0.005, 0.05]
+    loss = build(case, num_samples=2 * n, **options)
+    for epoch in range(STABILITY_STEPS[case]):  # a second step updates the state at γ < 1
+        set_epoch(loss, epoch)
+        out = call(loss, case, image, text, logit_scale, torch.arange(n), ref_image, ref_text)
+        total = sum(out.values())
+        grads = torch.autograd.grad(total, [image, text, logit_scale], allow_unused=True)
+        assert torch.isfinite(total), out
+        assert all(torch.isfinite(gr).all() for gr in grads if gr is not None)
+        assert grads[0].abs().max() > 0
+    for key, value in loss.state_dict().items():
+        visited = value[:n] if value.dim() == 1 and value.numel() == 2 * n else value
+        assert torch.isfinite(visited).all(), key
+    metrics = loss.metrics() if hasattr(loss, 'metrics') else {}
+    assert all(isinstance(v, float) for v in metrics.values())

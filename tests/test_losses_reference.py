@@ -1,0 +1,492 @@
+"""Every loss against a float64 reference written from its paper's formulas (not from the package's helpers).
+
+Notation: n anchors (one process, so the global batch), ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), the mean over
+the n − 1 candidates j ≠ i. Per-sample tables are float32 in the losses, so values read back from them after a
+step agree to float32's precision only.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drrho_openclip.losses import create_loss
+
+F64 = dict(dtype=torch.float64)
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+TABLE = dict(rtol=2e-6, atol=1e-7)  # through a float32 table
+
+
+def unit(g, n, d):
+    return F.normalize(torch.randn(n, d, generator=g, **F64), dim=1)
+
+
+def batch(g, n, d=6, ref_d=4):
+    """Features (leaves), and reference features correlated with them (so ℓ̂ is not ℓ with noise)."""
+    image, text = unit(g, n, d), unit(g, n, d)
+    ref_image = F.normalize(image[:, :ref_d] + 0.5 * unit(g, n, ref_d), dim=1)
+    ref_text = F.normalize(text[:, :ref_d] + 0.5 * unit(g, n, ref_d), dim=1)
+    return image.requires_grad_(), text.requires_grad_(), ref_image, ref_text
+
+
+def off_diagonal(n):
+    return ~torch.eye(n, dtype=torch.bool)
+
+
+def shifted_loss(anchors, candidates, ref_anchors=None, ref_candidates=None):
+    """ℓ̂_ij (seed 001, §4): the pairwise loss minus the reference model's."""
+    s = anchors @ candidates.T
+    ell = s - s.diagonal()[:, None]
+    if ref_anchors is not None:
+        r = ref_anchors @ ref_candidates.T
+        ell = ell - (r - r.diagonal()[:, None])
+    return ell
+
+
+def inner_mean(ell, tau):
+    """g_i = E_{j ∈ B\\{i}} exp(ℓ̂_ij / τ_i) (Eq. 10), τ a number or one per row."""
+    tau = torch.as_tensor(tau, **F64).reshape(-1, 1)
+    return (torch.exp(ell / tau) * off_diagonal(len(ell))).sum(1) / (len(ell) - 1)
+
+
+def moving_average(table, index, g, gamma):
+    """u_i ← (1−γ) u_i + γ g_i for the batch (Eq. 10); an unvisited sample (NaN) takes g_i."""
+    old = table[index]
+    table[index] = torch.where(torch.isnan(old), g, (1 - gamma) * old + gamma * g)
+    return table[index]
+
+
+def pair_weights(ell, tau, u, eps):
+    """w_ij = exp(ℓ̂_ij/τ_i) / (ε + u_i), 0 on the positive (detached: Eq. 11's coefficients)."""
+    tau = torch.as_tensor(tau, **F64).reshape(-1, 1)
+    return (torch.exp(ell / tau) / (eps + u[:, None]) * off_diagonal(len(ell))).detach()
+
+
+def grads(value, wrt):
+    return torch.autograd.grad(value, wrt, allow_unused=True)
+
+
+def assert_close(got, want, **tol):
+    tol = tol or TIGHT
+    if isinstance(got, (tuple, list)):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **tol)
+    else:
+        torch.testing.assert_close(got, want, **tol)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DRRho-CLIP / SogCLR (seed 001, Eq. 10–11, Algorithm 1) and the learnable τ of Appendix C.3
+
+
+@pytest.mark.parametrize('name', ['drrho', 'sogclr'])
+def test_sogclr_estimator_over_steps(name):
+    """u over several steps with γ < 1 (epoch 0 has γ = 1), the value τ·log(ε + u) per anchor and direction,
+    and the gradient E_i Σ_j w_ij ∇ℓ̂_ij / (n−1) over both directions (= Eq. 11's τ/(ε+u_i) ∇ E_j exp(ℓ̂_ij/τ))."""
+    num_samples, n, tau, eps, gamma = 14, 5, 0.05, 1e-3, 0.6
+    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma, gamma_decay_epochs=1)
+    u_image = torch.full((num_samples,), float('nan'), **F64)
+    u_text = u_image.clone()
+    g = torch.Generator().manual_seed(1)
+    # revisits, and first visits after epoch 0 (10, 11, 12: u takes g despite γ < 1); 13 is never seen
+    schedule = [(0, [0, 1, 2, 3, 4]), (0, [5, 6, 7, 8, 9]), (1, [2, 3, 4, 10, 11]), (1, [7, 1, 0, 6, 5]),
+                (2, [8, 9, 10, 3, 12])]
+    for epoch, index in schedule:
+        loss.set_epoch(epoch)
+        index = torch.tensor(index)
+        image, text, ref_image, ref_text = batch(g, n)
+        out = loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
+                   output_dict=True)['contrastive_loss']
+
+        use_ref = name == 'drrho'
+        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()))
+        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()))
+        step_gamma = 1.0 if epoch == 0 else gamma
+        u1 = moving_average(u_image, index, inner_mean(ell_image, tau).detach(), step_gamma)
+        u2 = moving_average(u_text, index, inner_mean(ell_text, tau).detach(), step_gamma)
+        value = (tau * torch.log(eps + u1) + tau * torch.log(eps + u2)).mean()
+        surrogate = (((pair_weights(ell_image, tau, u1, eps) * ell_image).sum(1)
+                      + (pair_weights(ell_text, tau, u2, eps) * ell_text).sum(1)) / (n - 1)).mean()
+
+        assert_close(out, value, **TABLE)
+        assert_close(grads(out, (image, text)), grads(surrogate, (image, text)), **TABLE)
+        assert_close(loss.state.log_u_image.double(), torch.log(u_image), equal_nan=True, **TABLE)
+        assert_close(loss.state.log_u_text.double(), torch.log(u_text), equal_nan=True, **TABLE)
+    assert torch.isnan(loss.state.log_u_image[13])
+
+
+@pytest.mark.parametrize('name', ['drrho', 'fastclip'])
+def test_learnable_temperature_gradient(name):
+    """Appendix C.3: min over θ and τ of mean_i τ log(ε + g_i) (both directions) + 2τρ. Its τ-derivative under the
+    SogCLR estimator is Σ_dir mean_i [log(ε+u_i) − Σ_j w_ij ℓ̂_ij/τ/(n−1)] + 2ρ; the loss gets τ = 1/logit_scale."""
+    num_samples, n, eps, gamma, rho = 9, 6, 1e-3, 0.5, 0.7
+    options = dict(num_samples=num_samples, epsilon=eps, gamma=gamma, gamma_decay_epochs=1, rho=rho)
+    loss = create_loss(name, learn_temperature=True if name == 'drrho' else None, **options)
+    u_image = torch.full((num_samples,), float('nan'), **F64)
+    u_text = u_image.clone()
+    g = torch.Generator().manual_seed(2)
+    for epoch in (0, 1, 1):
+        loss.set_epoch(epoch)
+        index = torch.randperm(num_samples, generator=g)[:n]
+        image, text, ref_image, ref_text = batch(g, n)
+        logit_scale = torch.tensor(1 / (0.04 + 0.02 * epoch), **F64, requires_grad=True)
+        out = loss(image, text, logit_scale, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
+                   output_dict=True)['contrastive_loss']
+
+        tau = 1 / logit_scale.detach()
+        use_ref = name == 'drrho'
+        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ())).detach()
+        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ())).detach()
+        step_gamma = 1.0 if epoch == 0 else gamma
+        u1 = moving_average(u_image, index, inner_mean(ell_image, tau), step_gamma)
+        u2 = moving_average(u_text, index, inner_mean(ell_text, tau), step_gamma)
+        dtau = sum((torch.log(eps + u) - (pair_weights(ell, tau, u, eps) * ell).sum(1) / tau / (n - 1)).mean()
+                   for ell, u in ((ell_image, u1), (ell_text, u2))) + 2 * rho
+        value = (tau * torch.log(eps + u1) + tau * torch.log(eps + u2)).mean() + 2 * tau * rho
+        assert_close(out, value, **TABLE)
+        # dL/d logit_scale = dL/dτ · dτ/d logit_scale, τ = 1/logit_scale
+        assert_close(grads(out, logit_scale)[0], dtau * -tau ** 2, **TABLE)
+        if epoch == 0:  # γ = 1: u = g, the estimator's τ-derivative is the objective's own (autograd on C.3)
+            tau_leaf = tau.clone().requires_grad_()
+            objective = (tau_leaf * torch.log(eps + inner_mean(ell_image, tau_leaf))
+                         + tau_leaf * torch.log(eps + inner_mean(ell_text, tau_leaf))).mean() + 2 * tau_leaf * rho
+            assert_close(dtau, grads(objective, tau_leaf)[0])
+
+
+def test_fastclip_is_a_registration_over_the_core():
+    from drrho_openclip.losses import get_loss_spec
+    spec = get_loss_spec('fastclip')
+    assert spec.defaults['learn_temperature'] and spec.defaults['rho'] == 8.5 and spec.defaults['temperature'] == 0.07
+    loss = create_loss('fastclip', num_samples=4)
+    assert loss.rho == 8.5 and not loss.use_reference and math.isclose(loss.log_eps, math.log(1e-14))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distillation (seed 001, Eq. 12 and 16)
+
+
+def kd_reference(image, text, ref_image, ref_text, scale, teacher_scale):
+    """Eq. 16 with the per-anchor mean and the average of the two directions (the official code's and MobileCLIP's
+    normalisation: Eq. 16 as printed, times |B|/2)."""
+    n = len(image)
+    student = scale * image @ text.T            # s(x_i, y_j)/τ
+    teacher = teacher_scale * ref_image @ ref_text.T
+    i2t = -(teacher.softmax(1) * student.log_softmax(1)).sum() / n
+    t2i = -(teacher.softmax(0) * student.log_softmax(0)).sum() / n  # anchors y_i: softmax over the images x_k
+    return (i2t + t2i) / 2
+
+
+def clip_reference(image, text, scale):
+    logits = scale * image @ text.T
+    labels = torch.arange(len(image))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def test_mobileclip_distillation():
+    """clip with distill_weight λ: (1−λ)·CLIP + λ·KD (Eq. 12), the teacher at its logit scale."""
+    g = torch.Generator().manual_seed(3)
+    image, text, ref_image, ref_text = batch(g, 7)
+    logit_scale = torch.tensor(14.0, **F64, requires_grad=True)
+    lam, teacher = 0.75, 50.0
+    out = create_loss('clip', distill_weight=lam, reference_logit_scale=teacher)(
+        image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text, index=torch.arange(7),
+        output_dict=True)
+    want_c = (1 - lam) * clip_reference(image, text, logit_scale)
+    want_d = lam * kd_reference(image, text, ref_image, ref_text, logit_scale, teacher)
+    assert_close(out['contrastive_loss'], want_c)
+    assert_close(out['distill_loss'], want_d)
+    wrt = (image, text, logit_scale)
+    assert_close(grads(sum(out.values()), wrt), grads(want_c + want_d, wrt))
+
+
+@pytest.mark.parametrize('name', ['fastclip', 'drrho'])
+def test_dro_distillation(name):
+    """fastclip / drrho with λ: (1−λ)·(their DRO loss) + λ·τ·KD with the student at logit scale 1/τ; fastclip's
+    contrastive part is not shifted by the reference (the official fork's leak)."""
+    n, eps, lam, teacher = 6, 1e-4, 0.25, 100.0
+    g = torch.Generator().manual_seed(4)
+    image, text, ref_image, ref_text = batch(g, n)
+    learn = name == 'fastclip'
+    logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
+    options = dict(gamma=1.0, epsilon=eps, distill_weight=lam, reference_logit_scale=teacher)
+    out = create_loss(name, **options)(image, text, logit_scale, ref_image_features=ref_image,
+                                       ref_text_features=ref_text, output_dict=True)
+
+    tau = 1 / logit_scale if learn else torch.tensor(0.01, **F64)
+    rho = 8.5 if learn else 0.0
+    ref = (ref_image, ref_text) if name == 'drrho' else ()
+    ref_t = (ref_text, ref_image) if name == 'drrho' else ()
+    dro = (tau * torch.log(eps + inner_mean(shifted_loss(image, text, *ref), tau))
+           + tau * torch.log(eps + inner_mean(shifted_loss(text, image, *ref_t), tau))).mean() + 2 * tau * rho
+    want_c = (1 - lam) * dro
+    want_d = lam * tau.detach() * kd_reference(image, text, ref_image, ref_text, 1 / tau, teacher)
+    assert_close(out['contrastive_loss'], want_c)
+    assert_close(out['distill_loss'], want_d)
+    # γ = 1: the DRO gradient is the objective's own, so autograd on the formula is the reference
+    wrt = (image, text, logit_scale) if learn else (image, text)
+    assert_close(grads(sum(out.values()), wrt), grads(want_c + want_d, wrt))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# iSogCLR / FastCLIP-v2: per-sample τ_i with a per-sample Adam
+
+
+def test_isogclr_tables_over_steps():
+    num_samples, n, eps, gamma, rho = 10, 5, 1e-3, 0.5, 1.0
+    tau0, tau_min, tau_max, lr, beta1, beta2, adam_eps = 0.05, 0.035, 0.07, 0.01, 0.9, 0.999, 1e-8
+    loss = create_loss('isogclr', num_samples=num_samples, epsilon=eps, gamma=gamma, gamma_decay_epochs=1, rho=rho,
+                       temperature=tau0, tau_min=tau_min, tau_max=tau_max, lr_tau=lr, tau_beta1=beta1,
+                       tau_beta2=beta2, tau_eps=adam_eps)
+    tables = {k: torch.full((num_samples,), float('nan'), **F64)
+              for k in ('u_image', 'u_text', 'm_image', 'm_text', 'v_image', 'v_text')}
+    tables['tau_image'] = torch.full((num_samples,), tau0, **F64)
+    tables['tau_text'] = tables['tau_image'].clone()
+    g = torch.Generator().manual_seed(5)
+    clamped = set()
+    for epoch in (0, 0, 1, 1, 1, 2):
+        loss.set_epoch(epoch)
+        index = torch.randperm(num_samples, generator=g)[:n]
+        image, text, _, _ = batch(g, n)
+        out = loss(image, text, index=index, output_dict=True)['contrastive_loss']
+
+        step_gamma = 1.0 if epoch == 0 else gamma
+        value, surrogate = 0, 0
+        for side, ell in (('image', shifted_loss(image, text)), ('text', shifted_loss(text, image))):
+            tau = tables[f'tau_{side}'][index].clone()
+            u = moving_average(tables[f'u_{side}'], index, inner_mean(ell, tau).detach(), step_gamma)
+            w = pair_weights(ell, tau, u, eps)
+            value = value + (tau * torch.log(eps + u) + rho * tau).mean()
+            surrogate = surrogate + ((w * ell).sum(1) / (n - 1)).mean()  # ∇_θ τ_i log(ε+g_i) → Σ_j w_ij ∇ℓ̂_ij
+            # G_i = ∂F_i/∂τ_i, then Adam with the square root, clipped to [τ_min, τ_max]
+            G = torch.log(eps + u) - (w * ell.detach()).sum(1) / tau / (n - 1) + rho
+            m_old, v_old = tables[f'm_{side}'][index], tables[f'v_{side}'][index]
+            m = torch.where(torch.isnan(m_old), G, beta1 * m_old + (1 - beta1) * G)
+            v = torch.where(torch.isnan(v_old), G ** 2, beta2 * v_old + (1 - beta2) * G ** 2)
+            new_tau = tau - lr * m / (torch.sqrt(v) + adam_eps)
+            clamped |= {'low' for t in new_tau if t < tau_min} | {'high' for t in new_tau if t > tau_max}
+            tables[f'm_{side}'][index], tables[f'v_{side}'][index] = m, v
+            tables[f'tau_{side}'][index] = new_tau.clamp(tau_min, tau_max)
+
+        assert_close(out, value, **TABLE)
+        assert_close(grads(out, (image, text)), grads(surrogate, (image, text)), **TABLE)
+        temperature = loss.temperature
+        for side in ('image', 'text'):
+            assert_close(getattr(temperature, f'tau_{side}').double(), tables[f'tau_{side}'], **TABLE)
+            assert_close(getattr(temperature, f'exp_avg_{side}').double(), tables[f'm_{side}'], equal_nan=True,
+                         **TABLE)
+            assert_close(getattr(temperature, f'exp_avg_sq_{side}').double(), tables[f'v_{side}'], equal_nan=True,
+                         rtol=1e-5, atol=1e-7)
+            assert_close(getattr(loss.state, f'log_u_{side}').double(), torch.log(tables[f'u_{side}']),
+                         equal_nan=True, **TABLE)
+    assert clamped == {'low', 'high'}, "the schedule should hit both bounds"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ADNCE (adnce.md §1.10, §5)
+
+
+def adnce_reference(image, text, tau, mu, sigma):
+    """CLIP-ADNCE, the recommended variant: per anchor −s_ii/τ + log(e^{s_ii/τ} + Σ_{j≠i} w̄_ij e^{s_ij/τ}) with
+    w̄ the detached Gaussian weights of the cosine, mean 1 over the anchor's negatives; ½ of both directions."""
+    n = len(image)
+    S = image @ text.T
+    off = off_diagonal(n)
+    total = 0
+    for sim in (S, S.T):
+        w = torch.exp(-(sim.detach() - mu) ** 2 / (2 * sigma ** 2)) * off
+        w_bar = (n - 1) * w / w.sum(1, keepdim=True)
+        pos = sim.diagonal()
+        total = total + (-pos / tau + torch.log(torch.exp(pos / tau) + (w_bar * torch.exp(sim / tau)).sum(1))).mean()
+    return total / 2
+
+
+@pytest.mark.parametrize('sigma', [0.2, 1.0, 1e6])
+def test_adnce(sigma):
+    """Through the core, with ε = 1/(n−1) standing for the positive: 2τ (L_ADNCE − log(n−1)); σ → ∞ is CLIP."""
+    n, tau, mu = 7, 0.1, 0.3
+    g = torch.Generator().manual_seed(6)
+    image, text, _, _ = batch(g, n)
+    out = create_loss('adnce', temperature=tau, adnce_mu=mu, adnce_sigma=sigma)(image, text, output_dict=True)
+    want = 2 * tau * (adnce_reference(image, text, tau, mu, sigma) - math.log(n - 1))
+    assert_close(out['contrastive_loss'], want)
+    assert_close(grads(out['contrastive_loss'], (image, text)), grads(want, (image, text)))
+    if sigma == 1e6:
+        assert_close(want, 2 * tau * (clip_reference(image, text, 1 / tau) - math.log(n - 1)), rtol=1e-9, atol=1e-9)
+    else:  # the weights matter
+        plain = 2 * tau * (clip_reference(image, text, 1 / tau) - math.log(n - 1))
+        assert abs(want.item() - plain.item()) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TempNet (tempnet.md §2.2, §3.1)
+
+
+def tempnet_reference(net, e):
+    """τ = τ_min + (τ_max − τ_min) σ(Σ_j a_j (ω_j − 1/M) σ(ŝ_j) + c), ŝ = P̄ σ(W e + b), ω = softmax(ŝ/exp κ)."""
+    x = torch.sigmoid(e @ net.transform.weight.T + net.transform.bias)
+    P = net.prototypes / net.prototypes.norm(dim=1, keepdim=True)
+    s_hat = x @ P.T
+    omega = torch.softmax(s_hat / torch.exp(net.log_pool_temperature), dim=1)
+    z = ((omega - 1 / P.shape[0]) * torch.sigmoid(s_hat) * net.pool.weight[0]).sum(1) + net.pool.bias[0]
+    return net.tau_min + (net.tau_max - net.tau_min) * torch.sigmoid(z)
+
+
+def test_tempnet_over_steps():
+    """The backbone gets L_clip = Σ_dir mean_i Σ_j sg(W_ij) ℓ̂_ij/(n−1); TempNet gets L_temp = Σ_dir mean_i sg(G_i) τ_i
+    with G_i = log(ε+u_i) + ρ − Σ_j W_ij ℓ̂_ij/τ_i/(n−1) (tempnet.md §3.1, in the core's ε convention)."""
+    num_samples, n, d, eps, gamma, rho = 9, 6, 6, 1e-6, 0.8, 2.0
+    loss = create_loss('tempnet', num_samples=num_samples, embed_dim=d, epsilon=eps, gamma=gamma, rho=rho,
+                       tempnet_width=8, tempnet_prototypes=5, tau_min=0.02, tau_max=0.2).double().eval()
+    nets = loss.temperature
+    params = list(nets.parameters())
+    u_tables = {side: torch.full((num_samples,), float('nan'), **F64) for side in ('image', 'text')}
+    g = torch.Generator().manual_seed(7)
+    for epoch in (0, 1, 1):
+        loss.set_epoch(epoch)
+        index = torch.randperm(num_samples, generator=g)[:n]
+        image, text, _, _ = batch(g, n, d)
+        out = loss(image, text, index=index, output_dict=True)['contrastive_loss']
+
+        step_gamma = 1.0 if epoch == 0 else gamma
+        value, l_clip, l_temp = 0, 0, 0
+        for side, net, anchors, ell in (('image', nets.image, image, shifted_loss(image, text)),
+                                        ('text', nets.text, text, shifted_loss(text, image))):
+            tau = tempnet_reference(net, anchors.detach())
+            u = moving_average(u_tables[side], index, inner_mean(ell, tau).detach(), step_gamma)
+            W = pair_weights(ell, tau.detach(), u, eps)
+            G = (torch.log(eps + u) + rho - (W * ell).sum(1) / tau / (n - 1)).detach()
+            value = value + (tau * torch.log(eps + u) + rho * tau).mean()
+            l_clip = l_clip + ((W * ell).sum(1) / (n - 1)).mean()
+            l_temp = l_temp + (G * tau).mean()
+        assert_close(out, value, **TABLE)
+        # l_clip reaches only the features, l_temp only TempNet (stop-gradients), so their sum is the reference
+        wrt = (image, text, *params)
+        assert_close(grads(out, wrt), grads(l_clip + l_temp, wrt), **TABLE)
+        assert grads(l_clip, params)[0] is None and grads(l_temp, (image,))[0] is None
+
+
+def test_tempnet_architecture():
+    from drrho_openclip.losses.temperatures import TempNet
+    net = TempNet(256)
+    assert sum(p.numel() for p in net.parameters()) == 131_586  # the paper's "0.13M"
+    e = F.normalize(torch.randn(512, 256), dim=1)
+    tau = net.eval()(e)
+    assert (tau >= 0.005).all() and (tau <= 0.05).all() and abs(tau.mean().item() - 0.03) < 0.01
+    with torch.no_grad():
+        net.pool.weight.fill_(1e4)
+        net.pool.bias.fill_(-1e4)
+    tau = net(1e3 * e)
+    assert torch.isfinite(tau).all() and (tau >= 0.005).all() and (tau <= 0.05).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Balanced CLIP loss (balancing.md §1.4, §4.1)
+
+
+def balanced_reference(image, text, scale, k, ref_image=None, ref_text=None):
+    sim = image @ text.T
+    if ref_image is not None:
+        sim = sim - ref_image @ ref_text.T
+    A = B = scale * sim
+    for t in range(1, k + 1):
+        A = torch.log_softmax(A, dim=1 if t % 2 else 0)   # P: images' rows first
+        B = torch.log_softmax(B, dim=0 if t % 2 else 1)   # Q: texts' columns first
+    return -(A.diagonal() + B.diagonal()).mean() / 2
+
+
+@pytest.mark.parametrize('with_ref', [False, True])
+@pytest.mark.parametrize('k', [1, 2, 3])
+def test_balanced(k, with_ref):
+    g = torch.Generator().manual_seed(8 + k)
+    image, text, ref_image, ref_text = batch(g, 7)
+    logit_scale = torch.tensor(9.0, **F64, requires_grad=True)
+    loss = create_loss('balanced', balance_steps=k, reference_shift=with_ref)
+    out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text,
+               output_dict=True)['contrastive_loss']
+    refs = (ref_image, ref_text) if with_ref else ()
+    want = balanced_reference(image, text, logit_scale, k, *refs)
+    assert_close(out, want)
+    wrt = (image, text, logit_scale)
+    assert_close(grads(out, wrt), grads(want, wrt))
+    assert math.isclose(loss.metrics()['clip_loss'], balanced_reference(image, text, logit_scale, 1, *refs).item(),
+                        rel_tol=1e-9)
+    if k == 1 and not with_ref:
+        from open_clip.loss import ClipLoss
+        assert_close(out, ClipLoss()(image, text, logit_scale))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JEST (seed 001 §6.2, C.2)
+
+
+def jest_reference(ranks, s, t, ratio, chunks, topk, generators):
+    """Per-rank draws, conditioned on the global selection so far. Learnability of candidate i given S:
+    chunk 1: d_i = t s^ref_ii − s s_ii; later: ½ Σ_dir [(−L_ii + lse_{j∈S} L_ij) − (−R_ii + lse_{j∈S} R_ij)].
+    A draw without replacement ∝ exp(score) is the top of score + Gumbel noise (from each rank's generator)."""
+    b = len(ranks[0][0])
+    n_select = round(b * ratio)
+    sizes = [len(c) for c in torch.arange(n_select).tensor_split(chunks)]
+    selected = [[] for _ in ranks]
+    for chunk, size in enumerate(sizes):
+        S = [(r, i) for r in range(len(ranks)) for i in selected[r]]
+        for r, (image, text, ref_image, ref_text) in enumerate(ranks):
+            scores = torch.empty(b, **F64)
+            for i in range(b):
+                L_ii, R_ii = s * image[i] @ text[i], t * ref_image[i] @ ref_text[i]
+                score = R_ii - L_ii
+                if chunk > 0:
+                    def lse(scale, anchor, column):  # log Σ_{j∈S} exp(scale · anchor · feature_j)
+                        return torch.logsumexp(torch.stack([scale * anchor @ ranks[q][column][j] for q, j in S]), 0)
+                    score = score + 0.5 * ((lse(s, image[i], 1) - lse(t, ref_image[i], 3))
+                                           + (lse(s, text[i], 0) - lse(t, ref_text[i], 2)))
+                scores[i] = -math.inf if i in selected[r] else score
+            if chunk == 0 or not topk:
+                scores = scores - torch.log(-torch.log(torch.rand(b, generator=generators[r], **F64)))
+            selected[r] += scores.topk(size).indices.tolist()
+    return selected
+
+
+@pytest.mark.parametrize('name', ['jest', 'jest-topk'])
+@pytest.mark.parametrize('chunks', [1, 2, 3])
+def test_jest_selection_and_loss(name, chunks):
+    n, ratio, teacher = 20, 0.3, 100.0
+    g = torch.Generator().manual_seed(9)
+    image, text, ref_image, ref_text = batch(g, n)
+    logit_scale = torch.tensor(20.0, **F64, requires_grad=True)
+    loss = create_loss(name, selection_ratio=ratio, num_chunks=chunks, reference_logit_scale=teacher)
+    loss.generator = torch.Generator().manual_seed(10)
+    out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text,
+               output_dict=True)['contrastive_loss']
+    want_rows = jest_reference([(image.detach(), text.detach(), ref_image, ref_text)], 20.0, teacher, ratio, chunks,
+                               name == 'jest-topk', [torch.Generator().manual_seed(10)])[0]
+    assert len(want_rows) == 6
+    loss.generator = torch.Generator().manual_seed(10)
+    assert loss.select(image, text, logit_scale, ref_image, ref_text).tolist() == want_rows
+    want = clip_reference(image[want_rows], text[want_rows], logit_scale)
+    assert_close(out, want)
+    wrt = (image, text, logit_scale)
+    assert_close(grads(out, wrt), grads(want, wrt))
+    metrics = loss.metrics()
+    assert metrics['selection_rate'] == pytest.approx(0.3)
+    assert metrics['extra_forward_fraction'] == pytest.approx(20 / 6 - 1)
+
+
+def test_jest_first_chunk_draws_by_softmax():
+    """The first chunk is drawn without replacement ∝ exp(d_i) (the official code used d_i − min d)."""
+    n, draws = 6, 4000
+    g = torch.Generator().manual_seed(11)
+    image, text, ref_image, ref_text = (x.detach() for x in batch(g, n))
+    loss = create_loss('jest', selection_ratio=2 / n, num_chunks=1, reference_logit_scale=3.0)
+    loss.generator = torch.Generator().manual_seed(12)
+    d = 3.0 * (ref_image * ref_text).sum(1) - 2.0 * (image * text).sum(1)
+    p = torch.softmax(d, 0)
+    # P(i among 2 draws without replacement) = p_i + Σ_{j≠i} p_j p_i / (1 − p_j)
+    inclusion = p + torch.stack([sum(p[j] * p[i] / (1 - p[j]) for j in range(n) if j != i) for i in range(n)])
+    counts = torch.zeros(n, **F64)
+    for _ in range(draws):
+        counts[loss.select(image, text, 2.0, ref_image, ref_text)] += 1
+    assert (counts / draws - inclusion).abs().max() < 0.03
+    linear = (d - d.min()) / (d - d.min()).sum()
+    linear_inclusion = linear + torch.stack([sum(linear[j] * linear[i] / (1 - linear[j]) for j in range(n) if j != i)
+                                             for i in range(n)])
+    assert (inclusion - linear_inclusion).abs().max() > 0.1  # the test tells the two apart

@@ -1,0 +1,150 @@
+"""End to end through OpenCLIP's own entry point (`python -m open_clip_train.main` / torchrun) on CPU."""
+import hashlib
+import time
+
+import open_clip
+import pytest
+import torch
+
+from conftest import checkpoint, run_openclip, start_openclip, train_args
+
+DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
+
+
+def assert_same(a, b, **tol):
+    torch.testing.assert_close(a, b, equal_nan=True, **(tol or dict(rtol=0, atol=0)))
+
+
+def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
+    result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref'], epochs=2))
+    assert 'drrho-openclip: --loss drrho' in result.stderr + result.stdout
+    ckpt = checkpoint(tmp_path, 'run', 2)
+    log_u = ckpt['loss_state']['state.log_u_image']
+    assert log_u.shape == (64,) and torch.isfinite(log_u).all()  # every sample visited, no overflow at τ=0.01
+    # the state lives outside the model: OpenCLIP's own loader still reads the checkpoint strictly
+    model = open_clip.create_model(shapes['model'])
+    open_clip.load_checkpoint(model, str(tmp_path / 'run' / 'checkpoints' / 'epoch_2.pt'), strict=True)
+    assert torch.equal(model.logit_scale.detach(), torch.tensor(torch.log(torch.tensor(100.0)).item()))
+
+
+def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
+    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--ref-features', shapes['ref']))
+    assert 'loss_state' not in checkpoint(tmp_path, 'run', 1)
+
+
+def test_killed_run_resumes_exactly(shapes, tmp_path):
+    args = lambda name, *extra: train_args(shapes, tmp_path, name, *DRRHO, '--ref-features', shapes['ref'], *extra,
+                                           epochs=2)
+    run_openclip(args('full'))
+    # the same run, killed once epoch 1 is saved, then continued with --resume latest
+    process = start_openclip(args('split'))
+    first, second = (tmp_path / 'split' / 'checkpoints' / f'epoch_{e}.pt' for e in (1, 2))
+    deadline = time.time() + 300
+    while not first.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    assert first.exists()
+    second.unlink(missing_ok=True)  # had it got that far, resume from epoch 1 all the same
+    run_openclip(args('split', '--resume', 'latest'))
+    a, b = checkpoint(tmp_path, 'full', 2), checkpoint(tmp_path, 'split', 2)
+    for key in a['state_dict']:
+        assert_same(a['state_dict'][key], b['state_dict'][key])
+    for key in ('state.log_u_image', 'state.log_u_text'):
+        assert_same(a['loss_state'][key], b['loss_state'][key])
+
+
+# Plain SGD for the equivalence runs: Adam divides by √v, which turns float rounding in near-zero gradients into
+# lr-sized steps, so it cannot tell a real difference from summation order. No weight decay: timm reads the
+# model's no-weight-decay list, which a DDP wrapper hides, so one rank and two ranks would decay differently.
+SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
+
+
+def assert_equivalent_runs(a, b, prefix=''):
+    for key, value in a['state_dict'].items():
+        assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=1e-6)
+    for key in ('state.log_u_image', 'state.log_u_text'):
+        # log u is ℓ̂/τ-sized (hundreds at τ = 0.01): float32 rounding of the features is amplified 1/τ times
+        assert_same(a['loss_state'][key], b['loss_state'][key], rtol=1e-4, atol=1e-4)
+        assert torch.isfinite(a['loss_state'][key]).all()
+
+
+@pytest.mark.parametrize('loss', [DRRHO + ('--ref-features',), ('--loss', 'sogclr', '--gamma', '0.5')])
+def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, loss):
+    loss = [*loss, shapes['ref']] if loss[-1] == '--ref-features' else list(loss)
+    run_openclip(train_args(shapes, tmp_path, 'one', *loss, *SGD, batch_size=8, epochs=2))
+    run_openclip(train_args(shapes, tmp_path, 'two', *loss, *SGD, '--local-loss', '--gather-with-grad', batch_size=4,
+                            epochs=2), nproc=2)
+    one = checkpoint(tmp_path, 'one', 2)
+    assert_equivalent_runs(one, checkpoint(tmp_path, 'two', 2), prefix='module.')
+    assert_training_moved(checkpoint(tmp_path, 'one', 1), one)
+
+
+def test_gradient_accumulation_equals_the_large_batch(shapes, tmp_path):
+    loss = [*DRRHO, '--ref-features', shapes['ref'], *SGD]
+    run_openclip(train_args(shapes, tmp_path, 'big', *loss, batch_size=8, epochs=2))
+    run_openclip(train_args(shapes, tmp_path, 'accum', *loss, '--accum-freq', '2', batch_size=4, epochs=2))
+    assert_equivalent_runs(checkpoint(tmp_path, 'big', 2), checkpoint(tmp_path, 'accum', 2))
+
+
+def assert_training_moved(before, after):
+    """Guards the equivalence tests against runs that agree only because nothing was learnt."""
+    change = max((after['state_dict'][k] - before['state_dict'][k]).abs().max().item() for k in after['state_dict'])
+    assert change > 1e-3
+
+
+def test_online_reference_model_runs(shapes, tmp_path):
+    run_openclip(train_args(shapes, tmp_path, 'online', '--loss', 'drrho', '--ref-model', shapes['model']))
+    assert checkpoint(tmp_path, 'online', 1)['epoch'] == 1
+
+
+# ---- bad input: a clear error, a non-zero exit, nothing good overwritten
+
+
+def test_unknown_loss_lists_the_known_ones(shapes, tmp_path):
+    result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'nope'), check=False)
+    assert result.returncode == 2
+    assert "invalid choice: 'nope'" in result.stderr and 'drrho' in result.stderr and 'sogclr' in result.stderr
+
+
+def test_drrho_without_reference_features_fails(shapes, tmp_path):
+    result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho'), check=False)
+    assert result.returncode == 2 and 'needs reference features' in result.stderr
+
+
+def test_missing_reference_directory_is_named(shapes, tmp_path):
+    missing = tmp_path / 'nowhere'
+    result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', missing), check=False)
+    assert result.returncode == 2 and str(missing) in result.stderr
+
+
+def test_features_of_another_csv_are_rejected(shapes, tmp_path):
+    other = tmp_path / 'train.csv'  # same shard name, rows in another order
+    lines = shapes['csv'].read_text().splitlines()
+    other.write_text('\n'.join([lines[0]] + lines[1:][::-1]) + '\n')
+    args = train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', shapes['ref'])
+    args[args.index('--train-data') + 1] = other
+    result = run_openclip(args, check=False)
+    assert result.returncode != 0 and 'computed for another CSV: row 0' in result.stderr
+
+
+def test_corrupt_feature_file_names_the_shard(shapes, tmp_path):
+    import shutil
+    broken = tmp_path / 'ref'
+    shutil.copytree(shapes['ref'], broken)
+    path = broken / 'train.features.npy'
+    path.write_bytes(path.read_bytes()[:200])
+    result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', broken), check=False)
+    assert result.returncode != 0 and "shard 'train'" in result.stderr and 'train.features.npy' in result.stderr
+
+
+def test_resume_without_u_state_fails_and_keeps_the_checkpoint(shapes, tmp_path):
+    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'clip'))
+    saved = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    digest = hashlib.sha256(saved.read_bytes()).hexdigest()
+    result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref'], '--resume',
+                                     'latest', epochs=2), check=False)
+    assert result.returncode != 0
+    assert 'holds no per-sample state' in result.stderr and str(saved) in result.stderr
+    assert hashlib.sha256(saved.read_bytes()).hexdigest() == digest
+    assert not (tmp_path / 'run' / 'checkpoints' / 'epoch_2.pt').exists()
