@@ -13,6 +13,7 @@ Two parts:
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import linecache
 import logging
 import math
 import sys
@@ -82,10 +83,17 @@ class _PatchedSourceLoader(importlib.machinery.SourceFileLoader):
         module.__drrho_patched__ = True
         super().exec_module(module)
 
+    def get_source(self, fullname=None):
+        return patched_source(self.name, self.get_data(self.path).decode('utf-8'), self.diff)
+
     def get_code(self, fullname):
-        # compiled fresh every time: a cached .pyc would be the unpatched file
-        source = self.get_data(self.path).decode('utf-8')
-        return compile(patched_source(fullname, source, self.diff), self.path, 'exec', dont_inherit=True)
+        # Compiled fresh every time: a cached .pyc would be the unpatched file. The code's file name marks it as
+        # patched, so tracebacks never quote lines of the file on disk; linecache finds the patched text through
+        # get_source (the module's __loader__) whenever its cache is cleared.
+        source = self.get_source()
+        filename = f"{self.path} (patched by drrho-openclip)"
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        return compile(source, filename, 'exec', dont_inherit=True)
 
 
 class _PatchingFinder(importlib.abc.MetaPathFinder):

@@ -139,7 +139,8 @@ def test_corrupt_feature_file_names_the_shard(shapes, tmp_path):
 
 
 def test_resume_without_u_state_fails_and_keeps_the_checkpoint(shapes, tmp_path):
-    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'clip'))
+    # γ = 1 keeps no state; continuing with γ < 1 would silently restart every estimator
+    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--ref-features', shapes['ref']))
     saved = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     digest = hashlib.sha256(saved.read_bytes()).hexdigest()
     result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref'], '--resume',
@@ -148,3 +149,23 @@ def test_resume_without_u_state_fails_and_keeps_the_checkpoint(shapes, tmp_path)
     assert 'holds no per-sample state' in result.stderr and str(saved) in result.stderr
     assert hashlib.sha256(saved.read_bytes()).hexdigest() == digest
     assert not (tmp_path / 'run' / 'checkpoints' / 'epoch_2.pt').exists()
+
+
+def test_loss_clip_through_the_plugin_is_openclips_own_run(shapes, tmp_path):
+    import subprocess
+    import sys
+    from conftest import ENV
+    run_openclip(train_args(shapes, tmp_path, 'plugin', '--loss', 'clip', epochs=2))
+    # the same run on unpatched OpenCLIP: drop the import hook before open_clip_train is imported
+    stock = ("import sys, runpy\n"
+             "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_PatchingFinder']\n"
+             "sys.argv = ['main'] + sys.argv[1:]\n"
+             "runpy.run_module('open_clip_train.main', run_name='__main__')\n")
+    args = [str(a) for a in train_args(shapes, tmp_path, 'stock', epochs=2)]
+    result = subprocess.run([sys.executable, '-c', stock, *args], capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'drrho-openclip' not in result.stderr
+    a, b = checkpoint(tmp_path, 'plugin', 2), checkpoint(tmp_path, 'stock', 2)
+    assert 'loss_state' not in a
+    for key in a['state_dict']:
+        assert_same(a['state_dict'][key], b['state_dict'][key])

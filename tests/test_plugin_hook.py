@@ -1,0 +1,77 @@
+"""The plugin-API patch: applies cleanly to the pinned OpenCLIP, is what the import hook runs, and fails loudly."""
+import importlib.metadata
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import open_clip_train
+from drrho_openclip import plugin
+
+SITE = Path(open_clip_train.__file__).resolve().parent.parent
+
+
+def test_patch_applies_cleanly_with_gnu_patch(tmp_path):
+    diffs = plugin.patches_by_module()
+    assert set(diffs) == {'open_clip.factory', 'open_clip_train.params', 'open_clip_train.data',
+                          'open_clip_train.train', 'open_clip_train.main'}
+    for module in diffs:
+        relative = module.replace('.', '/') + '.py'
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(SITE / relative, tmp_path / relative)
+    result = subprocess.run(['patch', '-p1', '--dry-run', '--fuzz=0', '-i', str(plugin.patch_path())],
+                            cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'offset' not in result.stdout and 'fuzz' not in result.stdout.lower()
+
+
+def test_the_hook_runs_the_patched_sources():
+    import open_clip.factory
+    import open_clip_train.data
+    import open_clip_train.params
+    import open_clip_train.train
+    for module in (open_clip.factory, open_clip_train.params, open_clip_train.data, open_clip_train.train):
+        assert module.__drrho_patched__
+        assert module.__loader__.get_source() == plugin.patched_source(
+            module.__name__, Path(module.__file__).read_text(), plugin.patches_by_module()[module.__name__])
+    assert open_clip_train.params.load_plugins()  # the entry point of this package is found
+
+
+def test_loss_flag_is_the_plugin_flag_not_an_abbreviation():
+    from open_clip_train.params import parse_args
+    args = parse_args(['--loss', 'drrho', '--ref-model', 'RN50'])
+    assert args.loss == 'drrho' and args.loss_dist_impl is None
+    assert args.temperature == 0.01 and args.epsilon == 1e-4  # the paper's defaults were filled in
+
+
+def test_help_documents_every_plugin_flag():
+    result = subprocess.run([sys.executable, '-m', 'open_clip_train.main', '--help'], capture_output=True, text=True)
+    assert result.returncode == 0
+    for flag in ('--loss', '--ref-features', '--ref-model', '--ref-pretrained', '--temperature',
+                 '--learn-temperature', '--rho', '--epsilon', '--gamma', '--gamma-decay-epochs'):
+        assert flag in result.stdout
+    explicit = subprocess.run([sys.executable, '-m', 'drrho_openclip.train', '--help'], capture_output=True, text=True)
+    assert explicit.returncode == 0 and '--ref-features' in explicit.stdout
+
+
+def test_unsupported_openclip_version_stops(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, 'version', lambda name: '3.4.0')
+    with pytest.raises(plugin.PluginActivationError, match=r'supports open_clip_torch 3\.3\.x, found 3\.4\.0'):
+        plugin.check_openclip_version()
+
+
+def test_a_patch_that_does_not_apply_stops_with_the_module_named():
+    diff = plugin.patches_by_module()['open_clip_train.train']
+    source = (SITE / 'open_clip_train' / 'train.py').read_text().replace('images, texts = batch', 'images, txt = batch')
+    with pytest.raises(plugin.PluginActivationError, match='does not apply to open_clip_train.train'):
+        plugin.patched_source('open_clip_train.train', source, diff)
+
+
+def test_unsupported_version_fails_the_training_entry_point(tmp_path):
+    # a fresh interpreter whose OpenCLIP claims another version: importing open_clip_train.main must fail loudly
+    code = ("import importlib.metadata as m; m.version = lambda name: '3.4.0'\n"
+            "import open_clip_train.main\n")
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode != 0 and 'supports open_clip_torch 3.3.x, found 3.4.0' in result.stderr
