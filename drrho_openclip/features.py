@@ -115,14 +115,14 @@ class FeatureStore:
 
     @lru_cache(maxsize=64)
     def keys(self, name: str) -> np.ndarray:
+        shard = self.shard(name)
         path = self.root / (name + '.keys.npy')
         try:
             keys = np.load(path, allow_pickle=False)
         except Exception as e:
             raise FeatureStoreError(f"shard '{name}': '{path}' is corrupt ({e})") from e
-        if len(keys) != self.shard(name).count:
-            raise FeatureStoreError(f"shard '{name}': '{path}' has {len(keys)} keys, the manifest says "
-                                    f"{self.shard(name).count}")
+        if len(keys) != shard.count:
+            raise FeatureStoreError(f"shard '{name}': '{path}' has {len(keys)} keys, the manifest says {shard.count}")
         return keys
 
     @lru_cache(maxsize=64)

@@ -275,7 +275,7 @@ def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
     from .features import FeatureStore
     store = FeatureStore.open(args.ref_features) if args.ref_features else None
     info = data['train']
-    dataset = info.dataloader.dataset
+    dataset = getattr(info.dataloader, 'dataset', None)  # WebDataset's WebLoader has none
     if isinstance(dataset, (CsvDataset, SyntheticDataset)):
         if store is not None:
             if isinstance(dataset, SyntheticDataset):

@@ -4,6 +4,11 @@ Each negative j of anchor i gets the detached Gaussian weight w_ij = exp(−(s_i
 similarity s_ij (not of s/τ, nor of exp(s/τ): the published pseudocode's slip), normalised to mean 1 over the
 anchor's negatives, so the row's mean over j ≠ i becomes mean_j w̄_ij exp(ℓ̂_ij/τ). Per row, in both directions,
 over the global negatives; in log space, so τ = 0.01 does not overflow.
+
+The positive (adnce.md §5's recommended CLIP variant): unweighted and kept in the denominator,
+ℓ_i = −s_ii/τ + log(e^{s_ii/τ} + Σ_{j≠i} w̄_ij e^{s_ij/τ}) = log(1 + (B−1) g_i). In the core that is ε = 1/(B−1) in
+τ log(ε + g_i) (`positive_in_denominator`, which replaces the ε option), so with a fixed τ the loss is
+2τ (L_ADNCE − log(B−1)), L_ADNCE the mean of the two directions: ADNCE's gradient times 2τ; σ → ∞ gives CLIP's.
 """
 from .tiled import RowNormalizedLogWeight
 

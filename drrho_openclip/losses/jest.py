@@ -17,6 +17,11 @@ so survives scores spanning thousands. JEST (top-k) takes the top scores without
 Distributed: every rank draws its share of each chunk from its own rows (all ranks then hold equal sub-batches,
 as CLIP's gathered loss needs); the set S that later chunks condition on is the global one, gathered after every
 chunk (the official code needed torch.distributed even on one process; here one process just skips the gather).
+
+Called as a loss, it receives the super-batch's features (with gradient) and backpropagates CLIP's loss through
+the selected rows only; the encoders' backward still runs over the whole super-batch (with zero gradients for the
+rest). To save that, a training loop can call `select` on features from a no-grad forward, re-encode the selected
+samples with gradient, and apply `self.clip` (OpenCLIP's ClipLoss) to them.
 """
 import torch
 from torch import nn

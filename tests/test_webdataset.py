@@ -1,0 +1,74 @@
+"""WebDataset input: reference features written per shard by the precompute command, looked up by `__key__`."""
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+from conftest import ENV, checkpoint, run_openclip
+from drrho_openclip.features import FeatureStore
+
+
+@pytest.fixture(scope='module')
+def shards(shapes, tmp_path_factory):
+    """The 64 shapes in 4 tar shards, keyed by arbitrary strings (not img2dataset's shard*10000+i arithmetic)."""
+    root = tmp_path_factory.mktemp('wds')
+    rows = [line.split('\t') for line in shapes['csv'].read_text().splitlines()[1:]]
+    for s in range(4):
+        with tarfile.open(root / f'part-{s}.tar', 'w') as tar:
+            for i, (path, title, _) in enumerate(rows[s * 16:(s + 1) * 16]):
+                key = f'sample_{s}_{i:02d}_x'
+                tar.add(path, arcname=f'{key}.png')
+                caption = root / f'{key}.txt'
+                caption.write_text(title)
+                tar.add(caption, arcname=f'{key}.txt')
+    features = root / 'ref'
+    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
+                             '--train-data', str(root / 'part-{0..3}.tar'), '--output', str(features),
+                             '--batch-size', '5', '--workers', '0'], capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr
+    return dict(urls=str(root / 'part-{0..3}.tar'), ref=features, root=root)
+
+
+def wds_args(shapes, shards, logs, name, *extra):
+    return ['--train-data', shards['urls'], '--dataset-type', 'webdataset', '--train-num-samples', '64',
+            '--model', shapes['model'], '--batch-size', '8', '--epochs', '2', '--lr', '1e-3', '--warmup', '2',
+            '--workers', '2', '--precision', 'fp32', '--device', 'cpu', '--seed', '0', '--logs', logs, '--name', name,
+            '--loss', 'drrho', '--gamma', '0.5', '--ref-features', shards['ref'], *extra]
+
+
+def test_precompute_writes_one_store_shard_per_tar(shards):
+    store = FeatureStore.open(shards['ref'])
+    assert [s.name for s in store.shards] == [f'part-{s}' for s in range(4)]
+    assert store.num_samples == 64 and store.dim == 32 and store.dtype == 'float16'
+    assert store.index_of('part-2', 'sample_2_05_x') == 2 * 16 + 5
+    image, text = store.features(37)
+    assert image.shape == (32,) and abs(image.norm().item() - 1) < 1e-2 and abs(text.norm().item() - 1) < 1e-2
+
+
+@pytest.mark.parametrize('resampled', [False, True])
+def test_drrho_trains_on_webdataset(shapes, shards, tmp_path, resampled):
+    extra = ['--dataset-resampled'] if resampled else []
+    run_openclip(wds_args(shapes, shards, tmp_path, 'run', *extra))
+    log_u = checkpoint(tmp_path, 'run', 2)['loss_state']['state.log_u_image']
+    visited = torch.isfinite(log_u)
+    assert log_u.shape == (64,) and visited.sum() >= 32  # WebDataset epochs are not exact passes
+
+
+def test_a_shard_without_features_is_named(shapes, shards, tmp_path):
+    extra_shard = shards['root'] / 'part-9.tar'
+    extra_shard.write_bytes((shards['root'] / 'part-0.tar').read_bytes())
+    args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0')
+    args[1] = str(shards['root'] / 'part-{0..3}.tar') + '::' + str(extra_shard)
+    result = run_openclip(args, check=False)
+    assert result.returncode != 0 and "no reference features for shard 'part-9'" in result.stderr
+
+
+def test_precompute_refuses_to_overwrite_a_store(shapes, shards):
+    before = (shards['ref'] / 'manifest.json').read_bytes()
+    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
+                             '--train-data', shards['urls'], '--output', str(shards['ref'])],
+                            capture_output=True, text=True, env=ENV)
+    assert result.returncode != 0 and 'already holds a reference-feature store' in result.stderr
+    assert (shards['ref'] / 'manifest.json').read_bytes() == before
