@@ -116,10 +116,10 @@ def run(cmd, **kw):
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
-def train_command(model, csv, logs, name, epochs, batch_size, extra=()):
+def train_command(model, csv, logs, name, epochs, batch_size, lr, extra=()):
     return [sys.executable, '-m', 'open_clip_train.main', '--train-data', csv, '--dataset-type', 'csv',
             '--csv-separator', '\t', '--csv-img-key', 'filepath', '--csv-caption-key', 'title',
-            '--model', model, '--batch-size', batch_size, '--epochs', epochs, '--lr', '2e-3', '--wd', '0.1',
+            '--model', model, '--batch-size', batch_size, '--epochs', epochs, '--lr', lr, '--wd', '0.1',
             '--warmup', '10', '--workers', '1', '--precision', 'fp32', '--device', 'cpu', '--seed', '0',
             '--logs', logs, '--name', name, '--save-frequency', epochs, '--log-every-n-steps', '20', *extra]
 
@@ -130,6 +130,7 @@ def main(argv=None):
     p.add_argument('--epochs', type=int, default=6)
     p.add_argument('--samples', type=int, default=2048, help='training pairs per split')
     p.add_argument('--batch-size', type=int, default=128)
+    p.add_argument('--lr', type=float, default=2e-3)
     args = p.parse_args(argv)
 
     root = Path(args.workdir).resolve()
@@ -144,7 +145,7 @@ def main(argv=None):
     logs = root / 'logs'
 
     print("[2/5] training the reference model (--loss clip) on its own split", flush=True)
-    run(train_command(model, ref_csv, logs, 'reference', args.epochs, args.batch_size))
+    run(train_command(model, ref_csv, logs, 'reference', args.epochs, args.batch_size, args.lr))
     ref_checkpoint = logs / 'reference' / 'checkpoints' / f'epoch_{args.epochs}.pt'
 
     print("[3/5] precomputing reference features of the target's training split", flush=True)
@@ -153,7 +154,7 @@ def main(argv=None):
          '--train-data', train_csv, '--output', features, '--workers', '1'])
 
     print("[4/5] training the target with --loss drrho", flush=True)
-    run(train_command(model, train_csv, logs, 'drrho', args.epochs, args.batch_size,
+    run(train_command(model, train_csv, logs, 'drrho', args.epochs, args.batch_size, args.lr,
                       ['--loss', 'drrho', '--ref-features', features]))
 
     print("[5/5] zero-shot top-1 on the test split (20 classes: colour x shape)", flush=True)

@@ -3,28 +3,38 @@
 Layout of a store directory:
 
     manifest.json              model, pretrained, dim, dtype and the ordered list of shards with their sample counts
-    <shard>.features.npy       [n, 2, dim] array: [:, 0] image features, [:, 1] text features (float16 by default)
+    <shard>.features.npy       [n, 2, dim] array: [:, 0] image features, [:, 1] text features, in the store's dtype:
+                               float16 (default), float32, or int8 (then scaled by the next file)
+    <shard>.scales.npy         int8 stores only: [n, 2] float32, one scale per feature vector (feature = int8 * scale)
     <shard>.keys.npy           the n sample keys of the shard: WebDataset `__key__`s, or a CSV's image paths
 
 A sample's dense index (the slot of its per-sample state) is its shard's offset plus its row in the shard, so it
-never depends on how keys are spelt. Every file is written under a temporary name and renamed when complete, and
-the manifest is written last: an interrupted precompute leaves no store that looks finished.
+never depends on how keys are spelt. Readers always get float32.
+
+A store is written into `<root>.partial/`, where `partial.json` records the settings and the planned shards, so that
+several processes can write disjoint shards (precompute's `--num-parts`) and a killed run can resume. Every file is
+written under a temporary name (`*.tmp`) and renamed when complete, a shard's keys file last: a shard whose files
+are all there, with matching row counts, is finished. The manifest is written once every shard is, and only then is
+the directory moved to `root`: an interrupted precompute leaves no store that looks finished.
 """
 import bisect
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 MANIFEST = 'manifest.json'
+PLAN = 'partial.json'
+LOCK = 'finalize.lock'
 FORMAT_VERSION = 1
-DTYPES = {'float16': np.float16, 'float32': np.float32}
+DTYPES = {'float16': np.float16, 'float32': np.float32, 'int8': np.int8}
 
 
 class FeatureStoreError(ValueError):
@@ -44,8 +54,33 @@ def shard_name(source: str) -> str:
     return base.split('.')[0] if not base.startswith('.') else base
 
 
+def shard_files(name: str, dtype: str) -> List[str]:
+    """The files of a shard, in the order they are written (the keys file last)."""
+    return [name + '.features.npy'] + ([name + '.scales.npy'] if dtype == 'int8' else []) + [name + '.keys.npy']
+
+
+def encode(features: np.ndarray, dtype: str):
+    """[n, 2, dim] features → (array to store, [n, 2] float32 scales for int8 or None)."""
+    if dtype != 'int8':
+        return features.astype(DTYPES[dtype]), None
+    # symmetric per vector: its largest |component| maps to ±127, whatever the vector's spread
+    peak = np.abs(features).max(axis=-1)
+    scales = (np.where(peak > 0, peak, 1) / 127).astype(np.float32)
+    return np.rint(features / scales[..., None]).clip(-127, 127).astype(np.int8), scales
+
+
+def decode(stored: np.ndarray, scales: Optional[np.ndarray] = None) -> np.ndarray:
+    array = np.array(stored, dtype=np.float32)  # a copy: never a view of a read-only memory map
+    return array if scales is None else array * np.asarray(scales, dtype=np.float32)[..., None]
+
+
+def _tmp_path(path: Path) -> Path:
+    # a name of its own per process: two processes writing the same file (a part run twice) never share one
+    return path.with_name(f'{path.name}.{socket.gethostname()}-{os.getpid()}.tmp')
+
+
 def _atomic_save(path: Path, array: np.ndarray):
-    tmp = path.with_name(path.name + '.tmp')
+    tmp = _tmp_path(path)
     with open(tmp, 'wb') as f:
         np.save(f, array, allow_pickle=False)
     os.replace(tmp, path)
@@ -88,9 +123,9 @@ class FeatureStore:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise FeatureStoreError(f"'{path}' is corrupt: {e!r}") from e
         for shard in store.shards:
-            for suffix in ('.features.npy', '.keys.npy'):
-                if not (root / (shard.name + suffix)).is_file():
-                    raise FeatureStoreError(f"shard '{shard.name}' of '{root}': file '{shard.name + suffix}' is missing")
+            for file in shard_files(shard.name, store.dtype):
+                if not (root / file).is_file():
+                    raise FeatureStoreError(f"shard '{shard.name}' of '{root}': file '{file}' is missing")
         return store
 
     def shard(self, name: str) -> Shard:
@@ -100,30 +135,33 @@ class FeatureStore:
             raise FeatureStoreError(f"no reference features for shard '{name}' in '{self.root}' "
                                     f"(it has {len(self.shards)} shards, e.g. '{self.shards[0].name}')") from None
 
-    @lru_cache(maxsize=64)
-    def _features(self, name: str) -> np.ndarray:
-        shard = self.shard(name)
-        path = self.root / (name + '.features.npy')
+    def _load(self, name: str, suffix: str, shape: tuple, dtype=None, mmap_mode='r') -> np.ndarray:
+        path = self.root / (name + suffix)
         try:
-            array = np.load(path, mmap_mode='r', allow_pickle=False)
+            array = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
         except Exception as e:  # numpy raises several types for truncated or foreign files
             raise FeatureStoreError(f"shard '{name}': '{path}' is corrupt ({e})") from e
-        if array.shape != (shard.count, 2, self.dim):
+        if array.shape != shape:
             raise FeatureStoreError(f"shard '{name}': '{path}' has shape {tuple(array.shape)}, the manifest says "
-                                    f"({shard.count}, 2, {self.dim})")
+                                    f"{shape}")
+        if dtype is not None and array.dtype != dtype:
+            raise FeatureStoreError(f"shard '{name}': '{path}' holds {array.dtype}, the manifest says {self.dtype}")
         return array
 
     @lru_cache(maxsize=64)
+    def _features(self, name: str) -> np.ndarray:
+        count = self.shard(name).count
+        return self._load(name, '.features.npy', (count, 2, self.dim), DTYPES[self.dtype])
+
+    @lru_cache(maxsize=64)
+    def _scales(self, name: str) -> Optional[np.ndarray]:
+        if self.dtype != 'int8':
+            return None
+        return self._load(name, '.scales.npy', (self.shard(name).count, 2), np.float32)
+
+    @lru_cache(maxsize=64)
     def keys(self, name: str) -> np.ndarray:
-        shard = self.shard(name)
-        path = self.root / (name + '.keys.npy')
-        try:
-            keys = np.load(path, allow_pickle=False)
-        except Exception as e:
-            raise FeatureStoreError(f"shard '{name}': '{path}' is corrupt ({e})") from e
-        if len(keys) != shard.count:
-            raise FeatureStoreError(f"shard '{name}': '{path}' has {len(keys)} keys, the manifest says {shard.count}")
-        return keys
+        return self._load(name, '.keys.npy', (self.shard(name).count,), mmap_mode=None)
 
     @lru_cache(maxsize=64)
     def _rows(self, name: str) -> Dict[str, int]:
@@ -136,44 +174,126 @@ class FeatureStore:
             raise FeatureStoreError(f"sample '{key}' of shard '{name}' has no reference features in '{self.root}'")
         return self.shard(name).offset + row
 
+    def shard_features(self, name: str) -> np.ndarray:
+        """All [n, 2, dim] features of a shard, as float32."""
+        return decode(self._features(name), self._scales(name))
+
     def features(self, index: int):
         """(image, text) reference features of a dense index, as float32 tensors."""
         if not 0 <= index < self.num_samples:
             raise FeatureStoreError(f"index {index} is outside '{self.root}' ({self.num_samples} samples)")
         shard = self.shards[bisect.bisect_right(self._offsets, index) - 1]
-        pair = np.asarray(self._features(shard.name)[index - shard.offset], dtype=np.float32)
+        row = index - shard.offset
+        scales = self._scales(shard.name)
+        pair = decode(self._features(shard.name)[row], None if scales is None else scales[row])
         if not np.isfinite(pair).all():
-            raise FeatureStoreError(f"shard '{shard.name}', row {index - shard.offset}: non-finite features")
+            raise FeatureStoreError(f"shard '{shard.name}', row {row}: non-finite features")
         pair = torch.from_numpy(pair)
         return pair[0], pair[1]
 
 
 class FeatureStoreWriter:
     """Writes a store shard by shard into `<root>.partial/`; `close()` writes the manifest and only then moves the
-    finished store to `root` (replacing a previous one), so `root` always holds a complete store or none."""
+    finished store to `root` (replacing a previous one), so `root` always holds a complete store or none.
 
-    def __init__(self, root, model: str, pretrained: str, dim: int, dtype: str = 'float16'):
+    `shards`, the names of all shards of the store in order, lets several writers (processes) share the work:
+    each adds some, and any of them can `close()` once all are `finished` (without it, the store is the shards this
+    writer added). Writers of one `.partial` directory must agree on the settings and the shards."""
+
+    def __init__(self, root, model: str, pretrained: str, dim: int = None, dtype: str = 'float16',
+                 shards: Sequence[str] = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.final = Path(root)
         self.root = self.final.with_name(self.final.name + '.partial')
         self.root.mkdir(parents=True, exist_ok=True)
-        self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dim=int(dim), dtype=dtype)
-        self.shards = []
+        self.dim = dim
+        self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype)
+        self.plan = None if shards is None else list(shards)
+        self.shards: List[str] = []  # the ones this writer added
+        plan = {**self.meta, 'shards': self.plan}
+        path = self.root / PLAN
+        if path.is_file():
+            found = json.loads(path.read_text())
+            differ = [('another list of shards' if k == 'shards' else f"{k} {found.get(k)!r}")
+                      for k in plan if found.get(k) != plan[k]]
+            if differ:
+                raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
+                                        f"resume it with the same settings, or delete it to start afresh")
+        else:
+            tmp = _tmp_path(path)
+            tmp.write_text(json.dumps(plan, indent=1))
+            os.replace(tmp, path)
+
+    @classmethod
+    def resume(cls, root) -> 'FeatureStoreWriter':
+        """A writer for the unfinished store of `root`, with the settings and shards it was started with."""
+        path = Path(str(root) + '.partial') / PLAN
+        if not path.is_file():
+            raise FeatureStoreError(f"'{path}' is missing: there is no unfinished store for '{root}'")
+        plan = json.loads(path.read_text())
+        return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'])
 
     def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray, text_features: np.ndarray):
+        if self.plan is not None and name not in self.plan:
+            raise ValueError(f"shard '{name}' is not one of the {len(self.plan)} shards of '{self.final}'")
         if len(keys) != len(image_features) or len(keys) != len(text_features):
             raise ValueError(f"shard '{name}': {len(keys)} keys, {len(image_features)} image and "
                              f"{len(text_features)} text features")
         if len(set(keys)) != len(keys):
             raise ValueError(f"shard '{name}': sample keys are not unique")
-        array = np.stack([image_features, text_features], axis=1).astype(DTYPES[self.meta['dtype']])
-        _atomic_save(self.root / (name + '.features.npy'), array)
-        _atomic_save(self.root / (name + '.keys.npy'), np.asarray([str(k) for k in keys]))
-        self.shards.append(dict(name=name, count=len(keys)))
+        if self.dim is not None and image_features.shape[1] != self.dim:
+            raise ValueError(f"shard '{name}': features of dimension {image_features.shape[1]}, not {self.dim}")
+        stored, scales = encode(np.stack([image_features, text_features], axis=1), self.meta['dtype'])
+        arrays = [stored] + ([scales] if scales is not None else []) + [np.asarray([str(k) for k in keys])]
+        for file, array in zip(shard_files(name, self.meta['dtype']), arrays):
+            _atomic_save(self.root / file, array)
+        self.shards.append(name)
 
-    def close(self):
-        (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'shards': self.shards}, indent=1))
+    def _finished(self, name: str):
+        """(count, dim) of a shard whose files are all on disk and agree, else None."""
+        try:
+            arrays = [np.load(self.root / f, mmap_mode='r', allow_pickle=False)
+                      for f in shard_files(name, self.meta['dtype'])]
+        except (OSError, ValueError):  # missing, or not a whole .npy file
+            return None
+        features, keys = arrays[0], arrays[-1]
+        n = len(keys)
+        if (features.dtype != DTYPES[self.meta['dtype']] or features.ndim != 3 or features.shape[:2] != (n, 2)
+                or keys.shape != (n,) or (len(arrays) == 3 and arrays[1].shape != (n, 2))):
+            return None
+        return n, features.shape[2]
+
+    def finished(self, name: str) -> bool:
+        return self._finished(name) is not None
+
+    def missing(self) -> List[str]:
+        """The planned shards that are not finished yet."""
+        return [name for name in (self.plan or []) if not self.finished(name)]
+
+    def close(self) -> bool:
+        """Write the manifest and move the store in place. False (and nothing done) when another process holds the
+        finishing lock: parts that end together must not both swap directories."""
+        names = self.plan if self.plan is not None else self.shards
+        if not names:
+            raise FeatureStoreError(f"'{self.root}': a store needs at least one shard")
+        found = {name: self._finished(name) for name in names}
+        missing = [name for name, info in found.items() if info is None]
+        if missing:
+            raise FeatureStoreError(f"'{self.root}': {len(missing)} of {len(names)} shards are not finished, "
+                                    f"e.g. '{missing[0]}'")
+        dims = sorted({dim for _, dim in found.values()})
+        if len(dims) > 1:
+            raise FeatureStoreError(f"'{self.root}': shards of different dimensions {dims}")
+        try:
+            os.close(os.open(self.root / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        for tmp in self.root.glob('*.tmp'):  # left by killed writers
+            tmp.unlink()
+        shards = [dict(name=name, count=found[name][0]) for name in names]
+        (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'dim': dims[0], 'shards': shards}, indent=1))
+        (self.root / PLAN).unlink()
         if self.final.exists():
             previous = self.final.with_name(self.final.name + '.previous')
             os.replace(self.final, previous)
@@ -181,3 +301,5 @@ class FeatureStoreWriter:
             shutil.rmtree(previous)
         else:
             os.replace(self.root, self.final)
+        (self.final / LOCK).unlink()
+        return True

@@ -130,87 +130,91 @@ def install_import_hook():
                                     f"import drrho_openclip.plugin first (or run `python -m drrho_openclip.train`)")
 
 
-def is_active() -> bool:
-    """True when open_clip_train's argument parser is the patched one."""
-    params = sys.modules.get('open_clip_train.params')
-    return params is not None and hasattr(params, 'load_plugins')
-
-
 # --------------------------------------------------------------------------------------------------------------
 # 2. The plugin (entry point `open_clip_train.plugins: drrho = drrho_openclip.plugin`)
 
-_LOSS_OPTIONS = ('temperature', 'rho', 'epsilon', 'gamma', 'gamma_decay_epochs')
+def _flag(option: str) -> str:
+    return '--' + option.replace('_', '-')
 
 
-def _defaults_text(option):
-    from .losses import get_loss_spec, list_losses, loss_options
-    values = [f"{name} {getattr(loss_options(name), option)}" for name in list_losses()
-              if name != 'clip' and option in {**get_loss_spec(name).defaults, option: 0}]
-    return 'default per loss: ' + ', '.join(values)
+def _user_options():
+    """{option: (type, [losses that have it])} over every registered loss."""
+    from .losses import get_loss_spec, list_losses
+    from .losses.registry import option_names
+    options = {}
+    for name in list_losses():
+        for option in option_names(name):
+            default = get_loss_spec(name).defaults[option]
+            options.setdefault(option, (type(default), []))[1].append(name)
+    return options
 
 
 def add_args(parser):
+    """`--loss`, the reference-feature flags, and one flag per loss option (registry-driven, paper defaults)."""
     from .losses import get_loss_spec, list_losses
+    from .losses.registry import OPTION_HELP
     g = parser.add_argument_group('drrho-openclip: reference-model steering and DRO contrastive losses')
     g.add_argument('--loss', default='clip', choices=list_losses(), metavar='NAME',
-                   help='contrastive loss: ' + '; '.join(f"{n}: {get_loss_spec(n).help}" for n in list_losses())
-                   + ' (default: %(default)s)')
+                   help='; '.join(f"{n}: {get_loss_spec(n).help}" for n in list_losses()) + ' (default: %(default)s)')
     g.add_argument('--ref-features', metavar='DIR', default=None,
                    help='precomputed reference features (a store written by drrho-openclip-features)')
     g.add_argument('--ref-model', metavar='NAME', default=None,
                    help='compute reference features online with this OpenCLIP model (no gradient)')
     g.add_argument('--ref-pretrained', metavar='TAG_OR_FILE', default=None,
                    help='pretrained tag or checkpoint file of --ref-model')
-    g.add_argument('--temperature', type=float, default=None,
-                   help=f"τ, fixed, or initial with --learn-temperature; {_defaults_text('temperature')}")
-    g.add_argument('--learn-temperature', action='store_true',
-                   help="learn a global τ (the model's logit_scale) with the KL-constrained DRO objective and ρ")
-    g.add_argument('--rho', type=float, default=None,
-                   help=f"ρ of the KL-constrained DRO, with --learn-temperature; {_defaults_text('rho')}")
-    g.add_argument('--epsilon', type=float, default=None, help=f"ε in log(ε + g); {_defaults_text('epsilon')}")
-    g.add_argument('--gamma', type=float, default=None,
-                   help="final inner learning rate γ of the per-sample estimators u (1 = no per-sample state); "
-                        + _defaults_text('gamma'))
-    g.add_argument('--gamma-decay-epochs', type=int, default=None,
-                   help='epochs of the cosine decay of γ from 1 to --gamma (default: --epochs)')
+    for option, (kind, losses) in sorted(_user_options().items()):
+        if option == 'gamma_decay_epochs':  # the run's length, whatever the loss
+            text = f"{OPTION_HELP[option]} [losses: {', '.join(losses)}]"
+        else:
+            defaults = ', '.join(f"{n} {get_loss_spec(n).defaults[option]}" for n in losses)
+            text = f"{OPTION_HELP[option]} [losses and defaults: {defaults}]"
+        if kind is bool:  # default None: tells 'not given' from the loss's own default
+            g.add_argument(_flag(option), action='store_true', default=None, help=text)
+        else:
+            g.add_argument(_flag(option), type=kind, default=None, metavar=option.upper(), help=text)
+
+
+def _needs_reference(spec, options) -> bool:
+    if spec.reference == 'optional':
+        return getattr(options, 'distill_weight', 0) > 0 or getattr(options, 'reference_shift', False)
+    return spec.reference == 'required'
 
 
 def check_args(args, parser):
-    """Validate the plugin flags against the chosen loss and fill the loss's paper defaults."""
-    from .losses import get_loss_spec, loss_options
+    """Validate the plugin flags against the chosen loss (a flag the loss does not read is an error) and record the
+    values in force on `args` (so params.txt shows them)."""
+    from .losses import create_loss as build, get_loss_spec, loss_options
+    from .losses.registry import option_names
     spec = get_loss_spec(args.loss)
-    given = [f"--{o.replace('_', '-')}" for o in _LOSS_OPTIONS + ('learn_temperature',) if getattr(args, o)]
+    own = option_names(args.loss)
+    given = {o: getattr(args, o) for o in _user_options() if getattr(args, o) is not None}
+    foreign = [_flag(o) for o in given if o not in own]
+    if foreign:
+        parser.error(f"{', '.join(foreign)}: no such option for --loss {args.loss} (its options: "
+                     f"{', '.join(map(_flag, own)) or 'none'})")
+    if 'gamma_decay_epochs' in own:
+        given.setdefault('gamma_decay_epochs', args.epochs)
+    options = loss_options(args.loss, **given)
+    if 'rho' in given and 'learn_temperature' in own and not options.learn_temperature:
+        parser.error(f"--rho only acts with --learn-temperature for --loss {args.loss} (a fixed τ has no ρ term)")
     uses_reference = args.ref_features is not None or args.ref_model is not None
-    if spec.name == 'clip':
-        if given:
-            parser.error(f"{', '.join(given)} have no effect with --loss clip; pick a DRO loss with --loss")
-        if uses_reference:
-            parser.error("--loss clip does not use reference features; use --loss drrho")
-        return
-    if spec.reference == 'required' and not uses_reference:
-        parser.error(f"--loss {spec.name} needs reference features: pass --ref-features DIR (precomputed with "
+    if _needs_reference(spec, options) and not uses_reference:
+        parser.error(f"--loss {args.loss} needs reference features: pass --ref-features DIR (precomputed with "
                      f"drrho-openclip-features) or --ref-model NAME --ref-pretrained TAG")
-    if spec.reference == 'none' and uses_reference:
-        parser.error(f"--loss {spec.name} does not use reference features; drop --ref-features/--ref-model")
+    if uses_reference and not _needs_reference(spec, options):
+        parser.error(f"--loss {args.loss} with these options does not read reference features; drop "
+                     f"--ref-features/--ref-model" + (" or set --reference-shift" if 'reference_shift' in own else ""))
     if args.ref_features is not None and args.ref_model is not None:
         parser.error("give either --ref-features or --ref-model, not both")
     if args.ref_pretrained is not None and args.ref_model is None:
         parser.error("--ref-pretrained needs --ref-model")
-    if args.rho is not None and not args.learn_temperature:
-        parser.error("--rho only acts with --learn-temperature (a fixed τ has no ρ term)")
-    options = loss_options(args.loss, **{o: getattr(args, o) for o in _LOSS_OPTIONS})
-    options.learn_temperature = args.learn_temperature
-    if args.gamma_decay_epochs is None:
-        options.gamma_decay_epochs = args.epochs
-    if args.learn_temperature and args.temperature is None:
-        options.temperature = 0.07  # OpenCLIP's own initial τ, as in the paper's learnable-τ runs
-    if not 0 < options.gamma <= 1:
-        parser.error(f"--gamma must be in (0, 1], got {options.gamma}")
-    for name in ('temperature', 'epsilon'):
-        if getattr(options, name) <= 0:
-            parser.error(f"--{name} must be > 0, got {getattr(options, name)}")
-    for name in _LOSS_OPTIONS:
-        setattr(args, name, getattr(options, name))
+    try:  # the loss's own checks, on a stand-in of the run's sizes
+        build(args.loss, **given, **({'num_samples': 1} if spec.stateful else {}),
+              **({'embed_dim': 1} if 'embed_dim' in spec.defaults else {}))
+    except ValueError as e:
+        parser.error(f"--loss {args.loss}: {e}")
+    for option in own:
+        setattr(args, option, getattr(options, option))
     if args.ref_features is not None:
         from .features import FeatureStore, FeatureStoreError
         try:
@@ -219,28 +223,79 @@ def check_args(args, parser):
             parser.error(f"--ref-features: {e}")
 
 
+def _is_plain_clip(args) -> bool:
+    return args.loss == 'clip' and not args.distill_weight
+
+
+def _uses_logit_scale(loss) -> bool:
+    """Whether the loss reads the model's learnable logit_scale (CLIP-style losses, a learnable global τ)."""
+    from .losses import LogitScaleTemperature
+    temperature = getattr(loss, 'temperature', None)
+    return temperature is None or isinstance(temperature, LogitScaleTemperature)
+
+
+def _sample_index_size(args) -> int:
+    """Size of the dense sample index: the reference store's, a CSV's rows, or the synthetic dataset's size."""
+    if args.ref_features is not None:
+        from .features import FeatureStore
+        return FeatureStore.open(args.ref_features).num_samples
+    if args.dataset_type == 'synthetic':
+        return args.train_num_samples
+    if args.train_data and args.train_data.split('::')[0].rsplit('.', 1)[-1].lower() in ('csv', 'tsv') \
+            or args.dataset_type == 'csv':
+        import pandas as pd
+        return len(pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key]))
+    return 0  # WebDataset without a store: no index (a stateful loss says so in wrap_data)
+
+
 def configure_model(model, args):
-    """Fixed τ: set the model's (unused) logit_scale to log(1/τ) and freeze it, so that logs show the τ in force
-    and DDP does not wait for a gradient it never gets. Learnable τ: start it at --temperature."""
-    import torch
-    if args.loss == 'clip':
+    """Build the plugin's loss now, before the optimizer, DDP and resume see the model: a loss with learnable
+    modules (TempNet) attaches them to the model. A τ the loss does not learn through logit_scale freezes the
+    model's logit_scale (at log 1/τ, so logs show the τ in force): DDP must not wait for a gradient it never gets."""
+    if _is_plain_clip(args):
         return
-    with torch.no_grad():
-        model.logit_scale.fill_(math.log(1.0 / args.temperature))
-    model.logit_scale.requires_grad_(args.learn_temperature)
+    import open_clip
+    import torch
+    from .losses import attach_to_model, create_loss as build, get_loss_spec
+    from .losses.registry import option_names
+    spec = get_loss_spec(args.loss)
+    options = {o: getattr(args, o) for o in option_names(args.loss)}
+    if spec.stateful:
+        args.sample_index_size = options['num_samples'] = _sample_index_size(args)
+    if 'embed_dim' in spec.defaults:
+        options['embed_dim'] = open_clip.get_model_config(args.model)['embed_dim']
+    try:
+        loss = build(args.loss, **options, rank=args.rank, world_size=args.world_size, local_loss=args.local_loss,
+                     gather_with_grad=args.gather_with_grad)
+    except ValueError as e:
+        if options.get('num_samples') == 0:
+            raise ValueError(f"--loss {args.loss}: {e}. With WebDataset input the sample index comes from the "
+                             f"reference-feature store: pass --ref-features DIR") from e
+        raise
+    attached = attach_to_model(model, loss)
+    if attached:
+        logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
+                     f"with it)")
+    temperature = getattr(args, 'temperature', None)
+    if temperature is not None:
+        with torch.no_grad():
+            model.logit_scale.fill_(math.log(1.0 / temperature))
+    if not _uses_logit_scale(loss):
+        model.logit_scale.requires_grad_(False)
+    args.plugin_loss = loss
 
 
 def create_loss(args):
-    """The plugin's loss, or None for `--loss clip` so that OpenCLIP builds its own loss exactly as without the plugin."""
-    from .losses import create_loss as build
-    if args.loss == 'clip':
+    """The loss built in configure_model, or None for plain `--loss clip`: OpenCLIP then builds its own loss
+    exactly as without the plugin."""
+    if _is_plain_clip(args):
         return None
-    loss = build(args.loss, **{o: getattr(args, o) for o in _LOSS_OPTIONS}, learn_temperature=args.learn_temperature,
-                 num_samples=getattr(args, 'sample_index_size', 0), rank=args.rank, world_size=args.world_size)
+    loss = args.plugin_loss
     if args.ref_model is not None:
         loss.reference_encoder = OnlineReference(args)
-    logging.info(f"drrho-openclip: --loss {args.loss} ({type(loss).__name__}), τ={args.temperature}"
-                 f"{' learnable' if args.learn_temperature else ''}, γ={args.gamma}, ε={args.epsilon}")
+    settings = ', '.join(f"{o}={getattr(args, o)}" for o in sorted(_user_options()) if hasattr(args, o)
+                         and getattr(args, o) is not None)
+    logging.info(f"drrho-openclip: --loss {args.loss} ({type(loss).__name__}): {settings}")
     return loss
 
 
@@ -268,8 +323,7 @@ class OnlineReference:
 
 def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
     """Attach `{'index', ['ref_image_features', 'ref_text_features']}` to every training batch."""
-    from .losses import get_loss_spec
-    if 'train' not in data or args.loss == 'clip':
+    if 'train' not in data or _is_plain_clip(args):
         return data
     from open_clip_train.data import CsvDataset, SyntheticDataset
     from .features import FeatureStore
@@ -282,14 +336,8 @@ def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
                 raise ValueError("--ref-features cannot describe --dataset-type synthetic")
             check_csv_keys(store, args.train_data, dataset.images)
         data['train'] = _map_loader_with_extras(info, dataset, store, args)
-        args.sample_index_size = len(dataset)
     else:
-        if store is None:
-            if get_loss_spec(args.loss).stateful and args.gamma < 1:
-                raise ValueError(f"--loss {args.loss} with WebDataset needs a sample index: pass --ref-features DIR "
-                                 f"(its keys define the index)")
         data['train'] = _wds_with_extras(args, preprocess_fns[0], store, epoch, tokenizer)
-        args.sample_index_size = store.num_samples if store is not None else 0
     return data
 
 

@@ -1,15 +1,23 @@
-"""Precompute reference-model features for a training set (CSV or WebDataset shards).
+"""Precompute reference-model features for a training set (CSV or WebDataset shards), and check a store.
 
     drrho-openclip-features --model ViT-B-32 --pretrained openai --train-data 'shards/{00000..00099}.tar' --output ref/
     python -m drrho_openclip.precompute --model local-dir:./ref_model --pretrained ./ref/epoch_5.pt \
         --train-data train.csv --csv-img-key filepath --csv-caption-key title --output ref/
+    drrho-openclip-features verify ref/ [--train-data 'shards/{00000..00099}.tar']
 
 Images go through the reference model's own evaluation transform (no augmentation) and texts through its own
 tokenizer, so the features do not depend on the learner's preprocessing.
+
+Many processes: `--num-parts P --part I` computes the I-th of P contiguous slices of the shard list (by default from
+torchrun's RANK/WORLD_SIZE or a SLURM job array's task id and count). Every part writes into `<output>.partial/`;
+the part that finds every shard there finishes the store (or `--finalize --output DIR` does). Finished shards are
+skipped, so running the same command again resumes a killed run.
 """
 import argparse
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 import braceexpand
@@ -19,32 +27,95 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .features import MANIFEST, FeatureStoreWriter, shard_name
+from .features import (DTYPES, LOCK, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, shard_files,
+                       shard_name)
+
+IMAGE_EXTENSIONS = ('jpg', 'png', 'jpeg', 'webp')  # those OpenCLIP's WebDataset pipeline reads, in its order
+UNIT_NORM_TOLERANCE = 0.02  # float16 and int8 rounding move a norm by < 1e-2
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog='drrho-openclip-features', description=__doc__.split('\n')[1],
-                                allow_abbrev=False)
-    p.add_argument('--model', required=True, help='OpenCLIP model name or local-dir:PATH')
-    p.add_argument('--pretrained', default=None, help='pretrained tag or local checkpoint file')
-    p.add_argument('--train-data', required=True,
+def _env_part():
+    """(part, number of parts) of this process under torchrun or in a SLURM job array, else (0, 1)."""
+    env = os.environ
+    if 'WORLD_SIZE' in env:
+        return int(env.get('RANK', 0)), int(env['WORLD_SIZE'])
+    if 'SLURM_ARRAY_TASK_COUNT' in env:
+        task = int(env['SLURM_ARRAY_TASK_ID']) - int(env['SLURM_ARRAY_TASK_MIN'])
+        return task // int(env.get('SLURM_ARRAY_TASK_STEP', 1)), int(env['SLURM_ARRAY_TASK_COUNT'])
+    return 0, 1
+
+
+def part_slice(count: int, part: int, num_parts: int) -> slice:
+    """The contiguous slice of `count` shards computed by part `part` of `num_parts` (sizes differ by at most 1)."""
+    return slice(part * count // num_parts, (part + 1) * count // num_parts)
+
+
+def _add_data_args(p, required: bool):
+    p.add_argument('--train-data', required=required,
                    help="a CSV/TSV file, or WebDataset shards (brace expansion; several sources joined by '::')")
     p.add_argument('--dataset-type', choices=['auto', 'csv', 'webdataset'], default='auto')
     p.add_argument('--csv-separator', default='\t')
     p.add_argument('--csv-img-key', default='filepath')
     p.add_argument('--csv-caption-key', default='title')
-    p.add_argument('--output', required=True, help='directory of the feature store to write')
-    p.add_argument('--overwrite', action='store_true', help='replace an existing store in --output')
-    p.add_argument('--dtype', choices=['float16', 'float32'], default='float16',
-                   help='storage dtype (default: %(default)s, half the bytes of float32)')
-    p.add_argument('--batch-size', type=int, default=256)
-    p.add_argument('--workers', type=int, default=2)
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    args = p.parse_args(argv)
-    if args.dataset_type == 'auto':
+
+
+def _resolve_dataset_type(args):
+    if args.train_data and args.dataset_type == 'auto':
         ext = args.train_data.split('::')[0].split('.')[-1].lower()
         args.dataset_type = 'csv' if ext in ('csv', 'tsv') else 'webdataset'
     return args
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog='drrho-openclip-features', description=__doc__.split('\n')[0],
+                                epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]',
+                                allow_abbrev=False)
+    p.add_argument('--model', help='OpenCLIP model name or local-dir:PATH')
+    p.add_argument('--pretrained', default=None, help='pretrained tag or local checkpoint file')
+    _add_data_args(p, required=False)
+    p.add_argument('--output', required=True, help='directory of the feature store to write')
+    p.add_argument('--overwrite', action='store_true', help='replace an existing store in --output')
+    p.add_argument('--dtype', choices=list(DTYPES), default='float16',
+                   help='storage dtype (default: %(default)s, half the bytes of float32; int8: a quarter, plus a '
+                        'float32 scale per vector)')
+    part, num_parts = _env_part()
+    p.add_argument('--num-parts', type=int, default=num_parts,
+                   help='split the shards into this many contiguous parts, one per process (default: WORLD_SIZE '
+                        'under torchrun, SLURM_ARRAY_TASK_COUNT in a job array, else 1)')
+    p.add_argument('--part', type=int, default=part,
+                   help='the part to compute, from 0 (default: RANK, or the array task index from 0)')
+    p.add_argument('--finalize', action='store_true',
+                   help='only finish the store in <output>.partial/ once all its shards are written (needs only '
+                        '--output; the last part to end does this by itself)')
+    p.add_argument('--batch-size', type=int, default=256)
+    p.add_argument('--workers', type=int, default=2, help='data-loading processes (each reads whole shards)')
+    default_device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else 'cpu'
+    p.add_argument('--device', default=default_device)
+    args = p.parse_args(argv)
+    if not args.finalize and (args.model is None or args.train_data is None):
+        p.error('--model and --train-data are required (except with --finalize)')
+    if not 0 <= args.part < args.num_parts:
+        p.error(f'--part must be in [0, --num-parts), got --part {args.part} --num-parts {args.num_parts}')
+    return _resolve_dataset_type(args)
+
+
+def _sources(args):
+    """[(store shard name, source)] in store order: the CSV file, or every WebDataset shard URL as given."""
+    if args.dataset_type == 'csv':
+        return [(shard_name(args.train_data), args.train_data)]
+    urls = [u for source in args.train_data.split('::') for u in braceexpand.braceexpand(source)]
+    names = [shard_name(u) for u in urls]
+    if len(set(names)) != len(names):
+        raise SystemExit('shard file names must be unique: the store keys shards by file name')
+    return list(zip(names, urls))
+
+
+def _read_csv(args):
+    df = pd.read_csv(args.train_data, sep=args.csv_separator)
+    for key in (args.csv_img_key, args.csv_caption_key):
+        if key not in df.columns:
+            raise SystemExit(f"{args.train_data}: no column '{key}' (columns: {', '.join(df.columns)})")
+    return df
 
 
 class _CsvImages(torch.utils.data.Dataset):
@@ -59,14 +130,52 @@ class _CsvImages(torch.utils.data.Dataset):
         return image, self.tokenizer([str(self.captions[i])])[0]
 
 
-def _shard_samples(url):
-    """(key, PIL image, caption) of every image-text sample of one tar shard, in file order."""
+def _shard_samples(url, decode=True):
+    """(key, image, caption) of every image-text sample of one tar shard, in file order (raw bytes unless decode)."""
     import webdataset as wds
-    dataset = wds.WebDataset(url, shardshuffle=False).decode('pilrgb').rename(
-        image='jpg;png;jpeg;webp', text='txt')
-    for sample in dataset:
-        if 'image' in sample and 'text' in sample:
-            yield sample['__key__'], sample['image'], sample['text']
+    # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
+    stages = [wds.SimpleShardList([url]), wds.tarfile_to_samples()] + ([wds.decode('pilrgb')] if decode else [])
+    for sample in wds.DataPipeline(*stages):
+        image = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
+        if image is not None and 'txt' in sample:
+            yield sample['__key__'], image, sample['txt']
+
+
+class _ShardBatches(torch.utils.data.IterableDataset):
+    """(shard name, keys, images, texts) batches, each from one shard in file order, then (name, None, None, None)
+    at the shard's end. A loader worker reads whole shards, so a shard's batches, and hence its features, are the
+    same whatever the number of workers or parts."""
+
+    def __init__(self, shards, preprocess, tokenizer, batch_size):
+        self.shards, self.preprocess, self.tokenizer, self.batch_size = shards, preprocess, tokenizer, batch_size
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info()
+        for name, url in self.shards if worker is None else self.shards[worker.id::worker.num_workers]:
+            batch = []
+            for sample in _shard_samples(url):
+                batch.append(sample)
+                if len(batch) == self.batch_size:
+                    yield self._collate(name, batch)
+                    batch = []
+            if batch:
+                yield self._collate(name, batch)
+            yield name, None, None, None
+
+    def _collate(self, name, batch):
+        return (name, [k for k, _, _ in batch], torch.stack([self.preprocess(image) for _, image, _ in batch]),
+                self.tokenizer([str(text) for _, _, text in batch]))
+
+
+def _csv_batches(args, preprocess, tokenizer):
+    """The same stream as _ShardBatches for the one shard of a CSV file."""
+    df = _read_csv(args)
+    dataset = _CsvImages(df[args.csv_img_key].tolist(), df[args.csv_caption_key].tolist(), preprocess, tokenizer)
+    name, start = shard_name(args.train_data), 0
+    for images, texts in torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers):
+        yield name, dataset.paths[start:start + len(images)], images, texts
+        start += len(images)
+    yield name, None, None, None
 
 
 def create_model(name: str, pretrained: str = None, device='cpu'):
@@ -88,67 +197,162 @@ def _encode(model, images, texts, device):
     return image_features.float().cpu().numpy(), text_features.float().cpu().numpy()
 
 
-def main(argv=None):
+def _compute(args, shards, writer):
+    """Encode `shards` ([(name, source)]), writing each one as soon as its last batch is encoded; returns
+    (samples, seconds of encoding, model loading excluded)."""
     import open_clip
-    args = parse_args(argv)
-    if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
-        raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
-    logging.basicConfig(level=logging.INFO, format='%(message)s')
     model, preprocess = create_model(args.model, args.pretrained, args.device)
     tokenizer = open_clip.get_tokenizer(args.model)
-    writer = None
-    progress = tqdm(unit='sample', desc='reference features', dynamic_ncols=True)
-
-    def write(name, keys, image_features, text_features):
-        nonlocal writer
-        if writer is None:
-            writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', image_features.shape[1],
-                                        args.dtype)
-        writer.add_shard(name, keys, image_features, text_features)
-
     if args.dataset_type == 'csv':
-        df = pd.read_csv(args.train_data, sep=args.csv_separator)
-        for key in (args.csv_img_key, args.csv_caption_key):
-            if key not in df.columns:
-                raise SystemExit(f"{args.train_data}: no column '{key}' (columns: {', '.join(df.columns)})")
-        dataset = _CsvImages(df[args.csv_img_key].tolist(), df[args.csv_caption_key].tolist(), preprocess, tokenizer)
-        loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers)
-        parts = []
-        for images, texts in loader:
-            parts.append(_encode(model, images, texts, args.device))
-            progress.update(len(images))
-        write(shard_name(args.train_data), dataset.paths,
-              np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+        batches = _csv_batches(args, preprocess, tokenizer)
     else:
-        urls = [u for source in args.train_data.split('::') for u in braceexpand.braceexpand(source)]
-        names = [shard_name(u) for u in urls]
-        if len(set(names)) != len(names):
-            raise SystemExit('shard file names must be unique: the store keys shards by file name')
-        for url, name in zip(urls, names):
-            keys, image_parts, text_parts, batch = [], [], [], []
-
-            def flush():
-                images = torch.stack([preprocess(img) for _, img, _ in batch])
-                texts = tokenizer([str(t) for _, _, t in batch])
-                image_features, text_features = _encode(model, images, texts, args.device)
-                image_parts.append(image_features)
-                text_parts.append(text_features)
-                keys.extend(k for k, _, _ in batch)
-                progress.update(len(batch))
-                batch.clear()
-
-            for sample in _shard_samples(url):
-                batch.append(sample)
-                if len(batch) == args.batch_size:
-                    flush()
-            if batch:
-                flush()
-            if not keys:
-                raise SystemExit(f"shard '{url}' holds no image-text samples")
-            write(name, keys, np.concatenate(image_parts), np.concatenate(text_parts))
+        batches = torch.utils.data.DataLoader(_ShardBatches(shards, preprocess, tokenizer, args.batch_size),
+                                              batch_size=None, num_workers=args.workers)
+    encoded = {}  # shard name -> its (keys, image features, text features) batches so far
+    progress = tqdm(unit='sample', desc=f'part {args.part}/{args.num_parts}', dynamic_ncols=True)  # shows samples/s
+    start = time.perf_counter()
+    for name, keys, images, texts in batches:
+        if keys is not None:
+            encoded.setdefault(name, []).append((keys, *_encode(model, images, texts, args.device)))
+            progress.update(len(keys))
+            continue
+        parts = encoded.pop(name, None)
+        if not parts:
+            raise SystemExit(f"shard '{name}' holds no image-text samples")
+        writer.add_shard(name, [k for p in parts for k in p[0]], np.concatenate([p[1] for p in parts]),
+                         np.concatenate([p[2] for p in parts]))
+        progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
-    writer.close()
-    logging.info(f"wrote reference features of {progress.n} samples ({len(writer.shards)} shards) to {args.output}")
+    return progress.n, time.perf_counter() - start
+
+
+def _finalize(writer, explicit: bool) -> int:
+    try:
+        done = writer.close()
+    except FeatureStoreError as e:
+        raise SystemExit(str(e))
+    if done:
+        store = FeatureStore.open(writer.final)
+        logging.info(f"wrote reference features of {store.num_samples} samples ({len(store.shards)} shards, "
+                     f"{store.dtype}) to {writer.final}")
+        return 0
+    message = (f"'{writer.root / LOCK}' exists: another process is finishing the store (or died doing so: if none "
+               f"is running, delete that file and run --finalize)")
+    if explicit:
+        raise SystemExit(message)
+    logging.info(message)
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if argv[:1] == ['verify']:
+        return verify(argv[1:])
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format='%(message)s')
+    try:
+        if args.finalize:
+            return _finalize(FeatureStoreWriter.resume(args.output), explicit=True)
+        if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
+            raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
+        shards = _sources(args)
+        writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', dtype=args.dtype,
+                                    shards=[name for name, _ in shards])
+    except FeatureStoreError as e:
+        raise SystemExit(str(e))
+    mine = shards[part_slice(len(shards), args.part, args.num_parts)]
+    todo = [(name, source) for name, source in mine if not writer.finished(name)]
+    where = f"part {args.part}/{args.num_parts}"
+    logging.info(f"{where}: {len(mine)} of {len(shards)} shards"
+                 + (f" ('{mine[0][0]}' to '{mine[-1][0]}')" if mine else '')
+                 + f", {len(mine) - len(todo)} already finished in {writer.root}")
+    if todo:
+        samples, seconds = _compute(args, todo, writer)
+        logging.info(f"{where}: encoded {samples} samples of {len(todo)} shards in {seconds:.1f} s "
+                     f"({samples / max(seconds, 1e-9):.1f} samples/s)")
+    missing = writer.missing()
+    if missing:
+        logging.info(f"{where} done; {len(missing)} shards of other parts are not finished yet (the last part to "
+                     f"end finishes the store)")
+        return 0
+    return _finalize(writer, explicit=False)
+
+
+# ---- verify ------------------------------------------------------------------------------------------------------
+
+def _data_keys(args):
+    """{store shard name: keys of its image-text samples} of --train-data."""
+    if args.dataset_type == 'csv':
+        return {shard_name(args.train_data): [str(k) for k in _read_csv(args)[args.csv_img_key]]}
+    return {name: [key for key, _, _ in _shard_samples(url, decode=False)] for name, url in _sources(args)}
+
+
+def _check_shard(store, shard, data_keys=None):
+    """(one-line report, problems) of one shard; every problem names the shard and the file at fault."""
+    name = shard.name
+    try:
+        keys = store.keys(name).tolist()
+        features = store.shard_features(name)
+    except FeatureStoreError as e:
+        return f"{name}: unreadable", [str(e)]
+    files = shard_files(name, store.dtype)
+    keys_file = files[-1]
+    values_file = files[1] if store.dtype == 'int8' else files[0]  # int8 values are finite: a NaN is in a scale
+    problems = []
+    counts = pd.Series(keys).value_counts()
+    unique = len(counts) == len(keys)
+    if not unique:
+        problems.append(f"shard '{name}', file '{keys_file}': {int((counts > 1).sum())} keys appear more than "
+                        f"once, e.g. '{counts.index[0]}' {counts.iloc[0]} times")
+    finite = np.isfinite(features)
+    if not finite.all():
+        row = int(np.argwhere(~finite)[0][0])
+        problems.append(f"shard '{name}', file '{values_file}': {int((~finite).sum())} non-finite values (first "
+                        f"in row {row})")
+    off = np.abs(np.linalg.norm(features, axis=-1) - 1) > UNIT_NORM_TOLERANCE  # NaN rows are counted above
+    if off.any():
+        problems.append(f"shard '{name}', file '{values_file}': {int(off.any(axis=1).sum())} samples whose features "
+                        f"are not unit-norm (first in row {int(np.argwhere(off)[0][0])})")
+    coverage = ''
+    if data_keys is not None:
+        stored, wanted = set(keys), set(data_keys)
+        coverage = f", {len(wanted & stored)}/{len(wanted)} data keys present"
+        for what, extra in (('samples of the data have no features', wanted - stored),
+                            ('keys are not samples of the data', stored - wanted)):
+            if extra:
+                problems.append(f"shard '{name}', file '{keys_file}': {len(extra)} {what}, e.g. '{min(extra)}'")
+    report = (f"{name}: {len(keys)} samples, keys {'unique' if unique else 'NOT unique'}, "
+              f"dim {features.shape[-1]}, {store.dtype}, {int((~finite).sum())} non-finite{coverage}")
+    return report, problems
+
+
+def verify(argv=None) -> int:
+    """`drrho-openclip-features verify DIR`: a line per shard, then every problem; exit status 1 if any."""
+    p = argparse.ArgumentParser(prog='drrho-openclip-features verify', allow_abbrev=False,
+                                description='Check a reference-feature store: per shard its sample count, unique '
+                                            'keys, dimension, dtype, finite unit-norm features, and with '
+                                            '--train-data that its keys are exactly the samples of the data.')
+    p.add_argument('store', help='the store directory')
+    _add_data_args(p, required=False)
+    args = _resolve_dataset_type(p.parse_args(argv))
+    try:
+        store = FeatureStore.open(args.store)
+    except FeatureStoreError as e:
+        print(f"PROBLEM: {e}")
+        return 1
+    data = _data_keys(args) if args.train_data else {}
+    print(f"{store.root}: {len(store.shards)} shards, {store.num_samples} samples, dim {store.dim}, {store.dtype}, "
+          f"model {store.model}" + (f" ({store.pretrained})" if store.pretrained else ''))
+    problems = [f"shard '{name}' of --train-data has no features in '{store.root}'"
+                for name in data if name not in {s.name for s in store.shards}]
+    for shard in store.shards:
+        report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None)
+        print(report + (' -- PROBLEM' if found else ''))
+        problems += found
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    print(f"{len(problems)} problems" if problems else 'OK')
+    return 1 if problems else 0
 
 
 if __name__ == '__main__':

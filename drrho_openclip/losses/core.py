@@ -220,7 +220,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     def __init__(
             self,
             temperature: nn.Module,
-            epsilon: float,
+            epsilon: Optional[float],
             rho: float = 0.0,
             state: Optional[MovingAverageState] = None,
             use_reference: bool = False,
@@ -233,12 +233,14 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             teacher_logit_scale: float = 100.0,
     ):
         super().__init__()
-        if epsilon <= 0:
+        if positive_in_denominator != (epsilon is None):
+            raise ValueError("give epsilon > 0, or positive_in_denominator (which takes ε's place), not both")
+        if epsilon is not None and epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
         if not 0 <= distill_weight <= 1:
             raise ValueError(f"the distillation weight λ must be in [0, 1], got {distill_weight}")
         self.temperature = temperature
-        self.log_eps = math.log(epsilon)
+        self.log_eps = None if epsilon is None else math.log(epsilon)
         self.rho = rho
         self.state = state
         self.use_reference = use_reference

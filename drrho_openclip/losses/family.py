@@ -7,6 +7,18 @@ from .jest import JESTLoss
 from .registry import register_loss
 from .temperatures import PerSampleTemperature, TempNetTemperature
 
+# The options of a DRO loss with a global τ (the per-loss defaults below override them with the paper's values)
+DRO_OPTIONS = dict(
+    temperature=0.07,          # τ, fixed or initial
+    learn_temperature=False,   # τ learned through the model's logit_scale
+    rho=0.0,                   # ρ of the KL-constrained DRO (with a learned τ)
+    epsilon=1e-14,             # ε in log(ε + g)
+    gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample state)
+    gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
+)
+# Losses with their own temperature source keep the estimator's options only
+ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'epsilon', 'gamma', 'gamma_decay_epochs')}
+
 # MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
 DISTILL_OPTIONS = dict(
     distill_weight=0.0,           # λ: (1−λ)·contrastive + λ·KD; the paper's λ is 0 with the weak ViT-B/32 reference
@@ -31,14 +43,9 @@ def _dro(o, use_reference, temperature=None, rho=None, **core_options):
         temperature = _temperature(o)
         rho = o.rho if o.learn_temperature else 0.0
     return DROContrastiveLoss(
-        temperature, o.epsilon, rho=rho, state=_state(o), use_reference=use_reference, rank=o.rank,
+        temperature, getattr(o, 'epsilon', None), rho=rho, state=_state(o), use_reference=use_reference, rank=o.rank,
         world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', 100.0), **core_options)
-
-
-def _own_temperature(o, name):
-    if o.learn_temperature:
-        raise ValueError(f"{name} learns its own temperatures; drop learn_temperature (--learn-temperature)")
 
 
 @register_loss('clip', reference='optional', defaults=DISTILL_OPTIONS,
@@ -58,7 +65,7 @@ def clip(o):
     'drrho', reference='required', stateful=True,
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
-    defaults=dict(temperature=0.01, epsilon=1e-4, rho=8.5, **DISTILL_OPTIONS))
+    defaults=dict(DRO_OPTIONS, temperature=0.01, epsilon=1e-4, rho=8.5, **DISTILL_OPTIONS))
 def drrho(o):
     return _dro(o, use_reference=True)
 
@@ -66,7 +73,7 @@ def drrho(o):
 @register_loss(
     'sogclr', stateful=True,
     help="SogCLR / FastCLIP-v1: global contrastive loss, fixed τ, per-sample u with γ",
-    defaults=dict(temperature=0.07))
+    defaults=DRO_OPTIONS)
 def sogclr(o):
     return _dro(o, use_reference=False)
 
@@ -76,7 +83,7 @@ def sogclr(o):
     help="FastCLIP-v3: global contrastive loss with the model's learnable τ and the KL-constraint ρ (Wei et al., "
          "2024); with distill_weight > 0, plus KD from the reference model (the contrastive part is not shifted)",
     # the paper's CC12M / ViT-B/32 setting
-    defaults=dict(learn_temperature=True, temperature=0.07, rho=8.5, gamma=0.2, gamma_decay_epochs=16,
+    defaults=dict(DRO_OPTIONS, learn_temperature=True, temperature=0.07, rho=8.5, gamma=0.2, gamma_decay_epochs=16,
                   **DISTILL_OPTIONS))
 def fastclip(o):
     if not o.learn_temperature:
@@ -88,10 +95,9 @@ def fastclip(o):
     'isogclr', stateful=True,
     help="FastCLIP-v2 / iSogCLR: a learnable τ per sample and modality (per-sample Adam), ρ, per-sample u",
     # the FastCLIP paper's v2 setting (CC3M); tau_* are the per-sample Adam's
-    defaults=dict(temperature=0.03, rho=7.0, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01, tau_max=1.0,
-                  lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8))
+    defaults=dict(ESTIMATOR_OPTIONS, temperature=0.03, rho=7.0, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01,
+                  tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8))
 def isogclr(o):
-    _own_temperature(o, 'isogclr')
     temperature = PerSampleTemperature(o.num_samples, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
                                        o.tau_beta2, o.tau_eps, o.world_size)
     return _dro(o, use_reference=False, temperature=temperature, rho=o.rho)
@@ -102,10 +108,9 @@ def isogclr(o):
     help="TempNet: τ per anchor predicted by a small network on the detached features, learned through the "
          "KL-constrained DRO objective (Qiu et al., 2024); its parameters must be attached to the model",
     # the official CLIP code's values (the paper's are elided in our copy)
-    defaults=dict(rho=7.0, gamma=0.8, gamma_decay_epochs=1, tau_min=0.005, tau_max=0.05, embed_dim=0,
-                  tempnet_width=256, tempnet_prototypes=256, reference_shift=False))
+    defaults=dict(ESTIMATOR_OPTIONS, rho=7.0, gamma=0.8, gamma_decay_epochs=1, tau_min=0.005, tau_max=0.05,
+                  embed_dim=0, tempnet_width=256, tempnet_prototypes=256, reference_shift=False))
 def tempnet(o):
-    _own_temperature(o, 'tempnet')
     if o.embed_dim <= 0:
         raise ValueError("tempnet needs the model's embedding size: pass embed_dim (the model's embed_dim)")
     temperature = TempNetTemperature(o.embed_dim, width=o.tempnet_width, prototypes=o.tempnet_prototypes,
@@ -118,7 +123,8 @@ def tempnet(o):
     help="ADNCE: negatives re-weighted by a Gaussian of their similarity (µ, σ), positive kept in the denominator "
          "(Wu et al., 2023)",
     # the paper's SimCSE-BERT setting (τ 0.07, µ 0.4, σ 1); mini-batch like the paper (γ = 1)
-    defaults=dict(temperature=0.07, gamma=1.0, adnce_mu=0.4, adnce_sigma=1.0, reference_shift=False))
+    defaults=dict({k: v for k, v in DRO_OPTIONS.items() if k != 'epsilon'}, temperature=0.07, gamma=1.0,
+                  adnce_mu=0.4, adnce_sigma=1.0, reference_shift=False))
 def adnce(o):
     # ε is replaced by the positive's own term: see DROContrastiveLoss (positive_in_denominator)
     return _dro(o, use_reference=o.reference_shift, negative_log_weight=adnce_log_weight(o.adnce_mu, o.adnce_sigma),

@@ -3,14 +3,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Dict, List
 
-# Options every factory may read, with their values when neither the loss nor the caller sets them.
+# What the training run supplies to every factory (the user's options are each loss's own `defaults`).
 COMMON_OPTIONS = dict(
-    temperature=0.07,          # τ, fixed or initial
-    learn_temperature=False,   # τ learned through the model's logit_scale
-    rho=0.0,                   # ρ of the KL-constrained DRO (learnable τ only)
-    epsilon=1e-14,             # ε in log(ε + g)
-    gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample state)
-    gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
     num_samples=0,             # size of the per-sample index space
     rank=0,
     world_size=1,
@@ -19,12 +13,41 @@ COMMON_OPTIONS = dict(
 )
 
 
+# Options the training loop supplies; the others are the user's (command-line flags in the OpenCLIP plugin).
+RUN_OPTIONS = (*COMMON_OPTIONS, 'embed_dim')
+
+OPTION_HELP = dict(
+    temperature="τ, fixed, or its initial value when learned",
+    learn_temperature="learn a global τ (the model's logit_scale) with the KL-constrained DRO objective and ρ",
+    rho="ρ of the KL-constrained DRO (the + ρτ term per direction), with a learned τ",
+    epsilon="ε in τ·log(ε + g)",
+    gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample state)",
+    gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma (default: --epochs)",
+    distill_weight="λ of the distillation from the reference model: (1−λ)·contrastive + λ·KD",
+    reference_logit_scale="the reference model's logit scale (KD teacher, JEST scores)",
+    tau_min="lower bound of the learned per-sample τ",
+    tau_max="upper bound of the learned per-sample τ",
+    lr_tau="learning rate of the per-sample τ (its own Adam)",
+    tau_beta1="β1 of the per-sample τ's Adam",
+    tau_beta2="β2 of the per-sample τ's Adam",
+    tau_eps="eps of the per-sample τ's Adam",
+    tempnet_width="hidden width of the temperature network",
+    tempnet_prototypes="number of prototypes of the temperature network",
+    reference_shift="also shift the pairwise loss by the reference model (the RHO loss; not in the method's paper)",
+    adnce_mu="µ, centre of ADNCE's Gaussian weight on negative similarities",
+    adnce_sigma="σ, width of ADNCE's Gaussian weight on negative similarities",
+    balance_steps="k, the number of Sinkhorn half-steps (1 = CLIP)",
+    selection_ratio="fraction of the super-batch JEST keeps",
+    num_chunks="number of chunks JEST draws its selection in",
+)
+
+
 @dataclass(frozen=True)
 class LossSpec:
     name: str
     factory: Callable
     help: str
-    defaults: Dict = field(default_factory=dict)   # the paper's values, overriding COMMON_OPTIONS
+    defaults: Dict = field(default_factory=dict)   # the loss's options, at the paper's values
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
     stateful: bool = False                          # keeps per-sample state (needs the sample index)
 
@@ -40,6 +63,12 @@ def register_loss(name: str, help: str, defaults=None, reference='none', statefu
         _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, stateful)
         return factory
     return wrap
+
+
+def option_names(name: str) -> List[str]:
+    """The user-settable options of a loss."""
+    spec = get_loss_spec(name)
+    return sorted(k for k in {**COMMON_OPTIONS, **spec.defaults} if k not in RUN_OPTIONS)
 
 
 def list_losses() -> List[str]:
@@ -60,7 +89,7 @@ def loss_options(name: str, **overrides) -> SimpleNamespace:
     options = {**COMMON_OPTIONS, **spec.defaults}
     foreign = sorted(k for k, v in overrides.items() if v is not None and k not in options)
     if foreign:
-        own = sorted(spec.defaults) or ['none beyond the common ones']
+        own = sorted(k for k in spec.defaults if k not in RUN_OPTIONS) or ['none']
         raise ValueError(f"loss '{name}' has no option {', '.join(foreign)} (its own options: {', '.join(own)}); "
                          f"drop it or pick a loss that has it")
     options.update({k: v for k, v in overrides.items() if v is not None})

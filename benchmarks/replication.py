@@ -1,0 +1,655 @@
+"""Mini replication of the DRRho-CLIP paper's data-efficiency experiment (seed 001, §6.1) on real images, CPU, offline.
+
+    python benchmarks/replication.py --quick     # Fashion-MNIST, 3 seeds, every loss, < 5 minutes on 2 CPU cores
+    python benchmarks/replication.py             # larger data and longer runs, < 1 hour on 2 CPU cores
+    python benchmarks/replication.py --train-data my/train.csv --ref-data my/ref.csv --test-data my/test.csv \
+        --classes my/classes.json [--csv-img-key filepath --csv-caption-key title --csv-label-key label]
+
+What is run, all through OpenCLIP's own training (`open_clip_train.main` with the plugin):
+
+1. data: a reference split, a disjoint target training split and a labelled test split. Built in: Fashion-MNIST
+   from the Debian package `dataset-fashion-mnist` (installed with apt-get when missing), captions made of class
+   names, synonyms and short descriptions; if it cannot be had, the demo's drawn shapes (the run says which).
+   Or any OpenCLIP CSV (or WebDataset: brace-expanded .tar shards, test labels in `cls`) plus a class file:
+   JSON `{"classnames": [...], "templates": ["a photo of a {}.", ...]}`.
+2. a *weak* reference model trained with `--loss clip` on the reference split (the paper's DFN-9M-style setting:
+   same kind of data, disjoint samples, less of it), and its features precomputed with
+   `python -m drrho_openclip.precompute`;
+3. a target per registered loss (`list_losses()`; `--ref-features` for those whose spec requires a reference;
+   losses that accept an optional reference train without one), per data fraction (50%, 75%, 100% of the target
+   split: nested subsets) and per seed, all with the **same compute**: the same number of samples seen, the
+   epochs scaled by 1/fraction;
+4. zero-shot top-1 on the test split after every epoch (the curves) and at the end (the table), mean ± std over
+   seeds; the reference model's own accuracy;
+5. the paper's variance check at each trained 100% model: over the target's training pairs z, Var ℓ(θ, z) and
+   Var [ℓ(θ, z) − ℓ(θ_ref, z)], where ℓ is the per-sample mini-batch CLIP loss (image→text and text→image
+   cross-entropy of consecutive batches of the training batch size) at one common temperature for both models, so
+   that the two variances compare representations, not the temperatures the losses happen to use.
+
+Targets run in-process, several per worker process (one per core, one thread each), so that the quick mode spends
+its time training rather than starting Python. Outputs, in `benchmarks/results/replication/` (suffix `_quick` for
+--quick): `replication.md` (tables), `replication.json` (every curve), `accuracy_vs_samples.png`,
+`scaling_input.csv` (input for benchmarks/scaling_law.py). Data, logs and checkpoints go to
+`benchmarks/results/tmp/replication/` (checkpoints are deleted once evaluated).
+"""
+import argparse
+import concurrent.futures
+import csv
+import gzip
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / 'results' / 'replication'
+FRACTIONS = (0.5, 0.75, 1.0)
+
+# Sizes per mode. `epochs` is for 100% of the target split (50% runs twice as many): a multiple of 3, and
+# `train` a multiple of 4 × batch, so that every fraction sees exactly epochs × train samples in whole batches.
+PRESETS = {
+    'quick': dict(ref=512, train=512, test=1000, batch_size=32, epochs=3, ref_epochs=4, lr=5e-3, seeds=(0, 1, 2)),
+    'full': dict(ref=2048, train=4096, test=2000, batch_size=64, epochs=6, ref_epochs=4, lr=2e-3, seeds=(0, 1, 2)),
+}
+VARIANCE_TEMPERATURE = 0.07  # OpenCLIP's initial τ; one τ for the target and the reference per-sample losses
+
+FASHION_DIR = Path('/usr/share/datasets/fashion-mnist')
+# (class name used in zero-shot prompts, synonyms, short descriptions), in Fashion-MNIST label order
+FASHION_CLASSES = [
+    ('t-shirt', ('t-shirt', 'top', 'tee'), ('short-sleeved', 'casual cotton', 'plain crew-neck')),
+    ('trousers', ('trousers', 'pair of pants', 'pair of jeans'), ('long', 'slim-fit', 'casual')),
+    ('pullover', ('pullover', 'sweater', 'jumper'), ('long-sleeved', 'knitted', 'warm')),
+    ('dress', ('dress', 'gown', 'frock'), ('sleeveless', 'summer', 'knee-length')),
+    ('coat', ('coat', 'jacket', 'overcoat'), ('buttoned', 'winter', 'zip-up')),
+    ('sandal', ('sandal', 'flip-flop', 'open shoe'), ('strappy', 'summer', 'flat')),
+    ('shirt', ('shirt', 'blouse', 'button-down shirt'), ('collared', 'long-sleeved', 'formal')),
+    ('sneaker', ('sneaker', 'trainer', 'running shoe'), ('sporty', 'low-top', 'lace-up')),
+    ('bag', ('bag', 'handbag', 'purse'), ('leather', 'shoulder', 'small')),
+    ('ankle boot', ('ankle boot', 'boot', 'bootie'), ('heeled', 'leather', 'winter')),
+]
+FASHION_TEMPLATES = ('a photo of a {}.', 'a product photo of a {}.')
+CAPTION_TEMPLATES = ('a photo of a {name}', 'a {tone} {desc} {name}', '{desc} {name}', 'a product photo of a {tone} {name}')
+
+
+# ---- data ------------------------------------------------------------------------------------------------------
+
+def _write_csv(path: Path, rows, header=('filepath', 'title', 'label')):
+    with open(path, 'w', newline='') as f:
+        writer = csv.writer(f, delimiter='\t', quoting=csv.QUOTE_MINIMAL)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def _read_idx(name):
+    images = np.frombuffer(gzip.open(FASHION_DIR / f'{name}-images-idx3-ubyte.gz').read(), np.uint8, offset=16)
+    labels = np.frombuffer(gzip.open(FASHION_DIR / f'{name}-labels-idx1-ubyte.gz').read(), np.uint8, offset=8)
+    return images.reshape(-1, 28, 28), labels
+
+
+def fashion_caption(label: int, image: np.ndarray, rng: random.Random) -> str:
+    """A caption from the class's synonyms and descriptions, plus a tone read off the image itself (the garment's
+    mean brightness), so captions vary within a class and carry some instance information."""
+    _, names, descriptions = FASHION_CLASSES[label]
+    garment = image[image > 0]
+    tone = 'light' if garment.size and garment.mean() > 140 else 'dark'
+    name = names[0] if rng.random() < 0.5 else rng.choice(names)  # the zero-shot name half of the time
+    return rng.choice(CAPTION_TEMPLATES).format(name=name, tone=tone, desc=rng.choice(descriptions))
+
+
+def ensure_fashion_mnist() -> str:
+    """'' when the Debian package's files are present (installing it if needed), else why they are not."""
+    if all((FASHION_DIR / f'{s}-{k}-ubyte.gz').exists() for s in ('train', 't10k') for k in ('images-idx3', 'labels-idx1')):
+        return ''
+    if not shutil.which('apt-get'):
+        return 'apt-get is not available'
+    for cmd in (['apt-get', 'install', '-y', '-q', 'dataset-fashion-mnist'], ['apt-get', 'update', '-q'],
+                ['apt-get', 'install', '-y', '-q', 'dataset-fashion-mnist']):
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if cmd[1] == 'install' and result.returncode == 0:
+            return ''
+    return f"apt-get install dataset-fashion-mnist failed: {(result.stderr or result.stdout).strip()[-300:]}"
+
+
+def prepare_fashion_mnist(root: Path, n_ref: int, n_train: int, n_test: int, seed: int = 0) -> dict:
+    """Disjoint reference/target splits from Fashion-MNIST's training set and a class-balanced test split from its
+    test set, as PNG files and tab-separated CSVs (filepath, title, label), plus classes.json."""
+    from PIL import Image
+    images, labels = _read_idx('train')
+    test_images, test_labels = _read_idx('t10k')
+    order = np.random.default_rng(seed).permutation(len(images))
+    rng = random.Random(seed)
+    splits = {'ref': order[:n_ref], 'train': order[n_ref:n_ref + n_train]}
+    # first n_test/10 test images of each class, so accuracy is not skewed by class frequencies
+    splits['test'] = np.concatenate([np.flatnonzero(test_labels == c)[:n_test // 10] for c in range(10)])
+    out = {}
+    for split, idx in splits.items():
+        source_images, source_labels = (test_images, test_labels) if split == 'test' else (images, labels)
+        folder = root / split
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for i in idx:
+            path = folder / f'{i:05d}.png'
+            Image.fromarray(source_images[i]).save(path)
+            label = int(source_labels[i])
+            rows.append((str(path), fashion_caption(label, source_images[i], rng), label))
+        out[split] = str(_write_csv(root / f'{split}.csv', rows))
+    (root / 'classes.json').write_text(json.dumps(
+        {'classnames': [c[0] for c in FASHION_CLASSES], 'templates': list(FASHION_TEMPLATES)}, indent=1))
+    out['classes'] = str(root / 'classes.json')
+    return out
+
+
+def prepare_shapes(root: Path, n_ref: int, n_train: int, n_test: int) -> dict:
+    """The demo's drawn shapes (colour x shape classes), the fallback when Fashion-MNIST cannot be installed."""
+    from drrho_openclip.demo import make_split, zero_shot_classes
+    out = {name: str(make_split(root, name, n, seed)) for name, n, seed in
+           (('ref', n_ref, 1), ('train', n_train, 2), ('test', n_test, 3))}
+    # class_prompt(colour, shape) is 'a {colour} {shape}'
+    (root / 'classes.json').write_text(json.dumps(
+        {'classnames': [f'{c} {s}' for c, s in zero_shot_classes()], 'templates': ['a {}']}))
+    out['classes'] = str(root / 'classes.json')
+    return out
+
+
+def prepare_data(kind: str, root: Path, n_ref: int, n_train: int, n_test: int) -> dict:
+    if kind == 'fashion-mnist':
+        why_not = ensure_fashion_mnist()
+        if not why_not:
+            print(f"data: Fashion-MNIST (Debian dataset-fashion-mnist, {FASHION_DIR})", flush=True)
+            return dict(name='fashion-mnist', **prepare_fashion_mnist(root, n_ref, n_train, n_test))
+        print(f"data: Fashion-MNIST is not available ({why_not}); FALLING BACK to the demo's drawn shapes",
+              flush=True)
+    else:
+        print("data: the demo's drawn shapes", flush=True)
+    return dict(name='shapes', **prepare_shapes(root, n_ref, n_train, n_test))
+
+
+class Dataset:
+    """A CSV file or WebDataset shards, with what the benchmark needs: size, nested subsets, pairs, labels."""
+
+    def __init__(self, spec: str, args):
+        self.spec, self.args = str(spec), args
+        first = self.spec.split('::')[0]
+        self.is_csv = first.lower().endswith(('.csv', '.tsv'))
+        if self.is_csv:
+            import pandas as pd
+            self.frame = pd.read_csv(self.spec, sep=args.csv_separator)
+        else:
+            import braceexpand
+            self.shards = [u for s in self.spec.split('::') for u in braceexpand.braceexpand(s)]
+            self.counts = [len({m.name.split('.')[0] for m in tarfile.open(u) if m.isfile()}) for u in self.shards]
+
+    def __len__(self):
+        return len(self.frame) if self.is_csv else sum(self.counts)
+
+    def subset(self, fraction: float, size: int, folder: Path) -> 'Dataset':
+        """The first `fraction` of the first `size` samples (CSV rows), or of the shards (WebDataset)."""
+        if self.is_csv:
+            path = folder / f'train_{round(fraction * 100):03d}.csv'
+            self.frame.iloc[:round(fraction * size)].to_csv(path, sep=self.args.csv_separator, index=False)
+            return Dataset(path, self.args)
+        k = round(fraction * len(self.shards))
+        if k != fraction * len(self.shards):
+            raise SystemExit(f"{len(self.shards)} shards cannot be split into {FRACTIONS}: use a multiple of 4")
+        return Dataset('::'.join(self.shards[:k]), self.args)
+
+    def openclip_args(self, num_samples: int):
+        a = self.args
+        if self.is_csv:
+            return ['--train-data', self.spec, '--dataset-type', 'csv', '--csv-separator', a.csv_separator,
+                    '--csv-img-key', a.csv_img_key, '--csv-caption-key', a.csv_caption_key]
+        return ['--train-data', self.spec, '--dataset-type', 'webdataset', '--train-num-samples', num_samples]
+
+    def samples(self, limit: int, with_text: bool):
+        """Up to `limit` (PIL image, caption or label) in file order."""
+        from PIL import Image
+        if self.is_csv:
+            key = self.args.csv_caption_key if with_text else self.args.csv_label_key
+            for path, value in zip(self.frame[self.args.csv_img_key][:limit], self.frame[key][:limit]):
+                yield Image.open(path), (str(value) if with_text else int(value))
+            return
+        import webdataset as wds
+        pipeline = wds.WebDataset(self.shards, shardshuffle=False).decode('pilrgb').to_tuple(
+            'jpg;png;jpeg;webp', 'txt' if with_text else 'cls')
+        for i, sample in enumerate(pipeline):
+            if i == limit:
+                return
+            yield sample
+
+
+# ---- the in-process worker: train one run with OpenCLIP, evaluate its checkpoints --------------------------------
+
+_CACHE = {}
+
+
+def _worker_init():
+    from drrho_openclip.plugin import install_import_hook
+    install_import_hook()  # before anything imports open_clip
+    import torch
+    torch.set_num_threads(1)
+
+
+def _cached(key, build):
+    if key not in _CACHE:
+        _CACHE[key] = build()
+    return _CACHE[key]
+
+
+def _model(name):
+    import open_clip
+    model, _, preprocess = open_clip.create_model_and_transforms(name)
+    return model.eval(), preprocess, open_clip.get_tokenizer(name)
+
+
+def _load(model_name, checkpoint):
+    import open_clip
+    model, preprocess, tokenizer = _cached(('model', model_name), lambda: _model(model_name))
+    open_clip.load_checkpoint(model, str(checkpoint), strict=False)  # strict=False: a loss may add parameters
+    return model, preprocess, tokenizer
+
+
+def _test_set(task):
+    import torch
+    _, preprocess, _ = _cached(('model', task['model']), lambda: _model(task['model']))
+    data = Dataset(task['test_data'], task['args'])
+    pairs = list(data.samples(task['test_samples'], with_text=False))
+    return torch.stack([preprocess(image) for image, _ in pairs]), torch.tensor([label for _, label in pairs])
+
+
+def zero_shot_accuracy(model, tokenizer, images, labels, classes: dict) -> float:
+    import torch
+    from open_clip import build_zero_shot_classifier
+    with torch.no_grad():
+        classifier = build_zero_shot_classifier(model, tokenizer, classes['classnames'], classes['templates'],
+                                                device='cpu', use_tqdm=False)
+        logits = torch.cat([model.encode_image(chunk, normalize=True) for chunk in images.split(500)]) @ classifier
+    return (logits.argmax(dim=1) == labels).float().mean().item()
+
+
+def per_sample_clip_loss(image_features, text_features, logit_scale: float, batch_size: int):
+    """OpenCLIP's mini-batch CLIP loss, kept per sample: for consecutive batches of `batch_size` pairs (a last
+    partial batch is dropped), the image→text and the text→image cross-entropy of each pair."""
+    import torch
+    import torch.nn.functional as F
+    n = image_features.shape[0] // batch_size * batch_size
+    logits = logit_scale * torch.einsum('kid,kjd->kij', image_features[:n].view(-1, batch_size, image_features.shape[1]),
+                                        text_features[:n].view(-1, batch_size, text_features.shape[1]))
+    target = torch.arange(batch_size).expand(logits.shape[0], -1)
+    image_to_text = F.cross_entropy(logits.transpose(1, 2), target, reduction='none')
+    text_to_image = F.cross_entropy(logits, target, reduction='none')
+    return image_to_text.reshape(-1), text_to_image.reshape(-1)
+
+
+def loss_variances(target_features, reference_features, batch_size: int, temperature=VARIANCE_TEMPERATURE) -> dict:
+    """§6.1's comparison: the variance over samples of the plain loss ℓ(θ, z) and of the RHO loss
+    ℓ(θ, z) − ℓ(θ_ref, z), for each direction; features are (image, text) pairs of the same samples."""
+    plain = per_sample_clip_loss(*target_features, 1.0 / temperature, batch_size)
+    ref = per_sample_clip_loss(*reference_features, 1.0 / temperature, batch_size)
+    return {'plain_image': plain[0].var().item(), 'plain_text': plain[1].var().item(),
+            'rho_image': (plain[0] - ref[0]).var().item(), 'rho_text': (plain[1] - ref[1]).var().item()}
+
+
+def _features(model, images, texts):
+    import torch
+    with torch.no_grad():
+        return (torch.cat([model.encode_image(c, normalize=True) for c in images.split(500)]),
+                torch.cat([model.encode_text(c, normalize=True) for c in texts.split(500)]))
+
+
+def _variance_set(task):
+    import torch
+    _, preprocess, tokenizer = _cached(('model', task['model']), lambda: _model(task['model']))
+    pairs = list(Dataset(task['variance_data'], task['args']).samples(task['variance_samples'], with_text=True))
+    return torch.stack([preprocess(image) for image, _ in pairs]), tokenizer([caption for _, caption in pairs])
+
+
+def run_task(task: dict) -> dict:
+    """Train one run with `open_clip_train.main` in this process, then evaluate every epoch's checkpoint."""
+    from drrho_openclip.train import main as train
+    logs = Path(task['logs'])
+    console = logs / f"{task['name']}.console.txt"
+    logs.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush(), sys.stderr.flush()
+    with open(console, 'w') as f:  # OpenCLIP logs to stderr: keep it per run, and quote it if the run fails
+        os.dup2(f.fileno(), 1), os.dup2(f.fileno(), 2)
+        try:
+            code = train([str(a) for a in task['argv']])
+            error = None if code in (None, 0) else f'open_clip_train.main returned {code}'
+        except SystemExit as e:  # argparse: the loss's start-up check refused the run, its message is in console
+            error = f'exit {e.code}'
+        except Exception as e:  # noqa: BLE001 - a failing loss is reported, the benchmark goes on
+            error = f'{type(e).__name__}: {e}'
+            f.write(traceback.format_exc())
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            for h in list(logging.root.handlers):  # OpenCLIP adds its handlers on every call
+                logging.root.removeHandler(h)
+                h.close()
+    result = dict(name=task['name'], loss=task['loss'], fraction=task['fraction'], seed=task['seed'],
+                  train_seconds=round(time.time() - start, 1))
+    if error:
+        said = [l for l in console.read_text().splitlines() if 'error:' in l]
+        result['error'] = said[-1].strip() if error.startswith('exit') and said else error
+        return result
+    classes = json.loads(Path(task['classes']).read_text())
+    images, labels = _cached(('test', task['test_data']), lambda: _test_set(task))
+    curve = []
+    for epoch in range(1, task['epochs'] + 1):
+        checkpoint = logs / task['name'] / 'checkpoints' / f'epoch_{epoch}.pt'
+        model, _, tokenizer = _load(task['model'], checkpoint)
+        curve.append((epoch * task['samples_per_epoch'], zero_shot_accuracy(model, tokenizer, images, labels, classes)))
+        if task.get('variance_data') and epoch == task['epochs']:
+            vimages, vtexts = _cached(('variance', task['variance_data']), lambda: _variance_set(task))
+            target = _features(model, vimages, vtexts)  # before the reference is loaded into the same module
+            ref = _cached(('ref', task['reference']), lambda: _features(
+                _load(task['model'], task['reference'])[0], vimages, vtexts))
+            result['variance'] = loss_variances(target, ref, task['batch_size'])
+        if not task.get('keep_checkpoints'):
+            checkpoint.unlink()
+    result.update(curve=curve, accuracy=curve[-1][1])
+    return result
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--quick', action='store_true', help='small data and short runs (< 5 minutes on 2 CPU cores)')
+    p.add_argument('--data', choices=['fashion-mnist', 'shapes'], default='fashion-mnist',
+                   help='built-in data, when --train-data is not given (default: %(default)s)')
+    p.add_argument('--train-data', help="target training data: CSV, or WebDataset shards ('::' or braces)")
+    p.add_argument('--ref-data', help="the reference model's training data, disjoint from --train-data")
+    p.add_argument('--test-data', help='labelled test data: CSV with --csv-label-key, or WebDataset with cls')
+    p.add_argument('--classes', help='JSON {"classnames": [...], "templates": ["a photo of a {}.", ...]}')
+    p.add_argument('--csv-separator', default='\t')
+    p.add_argument('--csv-img-key', default='filepath')
+    p.add_argument('--csv-caption-key', default='title')
+    p.add_argument('--csv-label-key', default='label')
+    p.add_argument('--model', help="OpenCLIP model (default: the demo's tiny local-dir: config)")
+    p.add_argument('--losses', nargs='+', help='a subset of the registered losses (default: all)')
+    p.add_argument('--seeds', type=int, nargs='+', help='training seeds (default: 0 1 2)')
+    p.add_argument('--train-samples', type=int, help='target split size used as 100%% (default: per mode)')
+    p.add_argument('--epochs', type=int, help='epochs at 100%% of the data, a multiple of 3 (default: per mode)')
+    p.add_argument('--batch-size', type=int)
+    p.add_argument('--jobs', type=int, default=os.cpu_count(), help='worker processes (default: one per core)')
+    p.add_argument('--workdir', default=str(HERE / 'results' / 'tmp' / 'replication'))
+    p.add_argument('--output', default=str(RESULTS))
+    args = p.parse_args(argv)
+    custom = [args.train_data, args.ref_data, args.test_data, args.classes]
+    if any(custom) and not all(custom):
+        p.error('own data needs all of --train-data, --ref-data, --test-data and --classes')
+    preset = PRESETS['quick' if args.quick else 'full']
+    args.seeds = args.seeds or list(preset['seeds'])
+    args.epochs = args.epochs or preset['epochs']
+    args.batch_size = args.batch_size or preset['batch_size']
+    args.train_samples = args.train_samples or preset['train']
+    args.preset = preset
+    if args.epochs % 3:
+        p.error('--epochs must be a multiple of 3 (75%% of the data then runs 4/3 as many epochs)')
+    if len(args.seeds) < 3:
+        p.error('at least 3 seeds: the tables report mean ± std over seeds')
+    return args
+
+
+def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=()):
+    return [*data.openclip_args(num_samples), '--model', model, '--batch-size', args.batch_size, '--epochs', epochs,
+            '--lr', args.preset['lr'], '--wd', '0.1', '--warmup', '5', '--workers', '0', '--precision', 'fp32',
+            '--device', 'cpu', '--seed', seed, '--logs', logs, '--name', name, '--save-frequency', '1',
+            '--log-every-n-steps', '1000', *extra]
+
+
+def precompute(model, checkpoint, data: Dataset, output: Path, args):
+    cmd = [sys.executable, '-m', 'drrho_openclip.precompute', '--model', model, '--pretrained', str(checkpoint),
+           '--train-data', data.spec, '--output', str(output), '--workers', '0', '--device', 'cpu',
+           '--dataset-type', 'csv' if data.is_csv else 'webdataset']
+    if data.is_csv:
+        cmd += ['--csv-separator', args.csv_separator, '--csv-img-key', args.csv_img_key,
+                '--csv-caption-key', args.csv_caption_key]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, 'OMP_NUM_THREADS': '1'})
+
+
+def mean_std(values):
+    return (float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0)
+
+
+def summarize(runs, losses):
+    """{loss: {fraction: {...}}} with accuracy mean/std, mean curves and variance mean/std over seeds."""
+    table = {}
+    for loss in losses:
+        for fraction in FRACTIONS:
+            done = [r for r in runs if r['loss'] == loss and r['fraction'] == fraction and 'error' not in r]
+            failed = [r for r in runs if r['loss'] == loss and r['fraction'] == fraction and 'error' in r]
+            entry = {'seeds': len(done)}
+            if failed:
+                entry['error'] = failed[0]['error']
+            if done:
+                entry['accuracy'] = mean_std([r['accuracy'] for r in done])
+                curves = np.array([[a for _, a in r['curve']] for r in done])
+                entry['curve'] = {'samples_seen': [s for s, _ in done[0]['curve']],
+                                  'mean': curves.mean(0).tolist(), 'std': curves.std(0, ddof=1).tolist()}
+                if 'variance' in done[0]:
+                    entry['variance'] = {k: mean_std([r['variance'][k] for r in done]) for k in done[0]['variance']}
+            table.setdefault(loss, {})[str(fraction)] = entry
+    return table
+
+
+def fmt(ms, scale=100.0, digits=1):
+    return f"{ms[0] * scale:.{digits}f} ± {ms[1] * scale:.{digits}f}"
+
+
+def markdown(report) -> str:
+    c, s = report['config'], report['summary']
+    lines = [
+        f"# Mini replication: data efficiency of every registered loss ({report['data']['name']})", '',
+        f"Data: {report['data']['description']}. Model: {c['model_description']}. Zero-shot top-1 on "
+        f"{c['test_samples']} held-out test images ({c['num_classes']} classes, chance {100 / c['num_classes']:.0f}%). "
+        f"Every target sees the same {c['samples_seen']} samples (batch {c['batch_size']}, {c['epochs_at_100']} "
+        f"epochs at 100% of {c['train_samples']} pairs, {c['epochs_at_100'] * 2} at 50%); seeds {c['seeds']}; "
+        f"mean ± std over seeds (sample std). Reference: `--loss clip` on {c['ref_samples']} disjoint pairs, "
+        f"{c['ref_epochs']} epochs: **{report['reference_accuracy'] * 100:.1f}%** zero-shot top-1.", '',
+        f"Machine: {report['machine']}. Wall time {report['wall_seconds'] / 60:.1f} min.", '',
+        '| loss | reference | 50% data | 75% data | 100% data |', '|---|---|---:|---:|---:|']
+    for loss, per_fraction in s.items():
+        cells = [fmt(e['accuracy']) if 'accuracy' in e else f"failed: {e.get('error', '?')[:80]}"
+                 for e in (per_fraction[str(f)] for f in FRACTIONS)]
+        lines.append(f"| {loss} | {report['reference_use'][loss]} | " + ' | '.join(cells) + ' |')
+    lines += ['', f"## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
+              f"Over the target's {c['variance_samples']} training pairs, per-sample mini-batch CLIP loss (batches of "
+              f"{c['batch_size']}, τ = {VARIANCE_TEMPERATURE} for both models). Var ℓ(θ,z) is the plain loss of the "
+              f"trained target; Var[ℓ(θ,z) − ℓ(θ_ref,z)] its RHO loss. The paper compares the plain loss of the "
+              f"model trained without a reference (clip, fastclip) with the RHO loss of the drrho model. "
+              f"Mean ± std over seeds.", '',
+              '| loss | Var ℓ image | Var ℓ text | Var (ℓ − ℓ_ref) image | Var (ℓ − ℓ_ref) text |',
+              '|---|---:|---:|---:|---:|']
+    for loss, per_fraction in s.items():
+        v = per_fraction['1.0'].get('variance')
+        if v:
+            lines.append(f"| {loss} | " + ' | '.join(fmt(v[k], 1, 3) for k in
+                                                    ('plain_image', 'plain_text', 'rho_image', 'rho_text')) + ' |')
+    if report['skipped']:
+        lines += ['', '## Runs that failed', ''] + [f"- {k}: {v}" for k, v in report['skipped'].items()]
+    return '\n'.join(lines) + '\n'
+
+
+def plot(report, path: Path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    summary = report['summary']
+    losses = [l for l in summary if any('curve' in e for e in summary[l].values())]
+    cols = 4
+    rows = -(-len(losses) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), sharex=True, sharey=True, squeeze=False)
+    baseline = summary.get('clip', {}).get('1.0', {}).get('curve')
+    for ax, loss in zip(axes.flat, losses):
+        for fraction in FRACTIONS:
+            curve = summary[loss][str(fraction)].get('curve')
+            if curve:
+                x, m, sd = (np.array(curve[k]) for k in ('samples_seen', 'mean', 'std'))
+                ax.plot(x, m * 100, marker='o', ms=3, label=f'{fraction:.0%} data')
+                ax.fill_between(x, (m - sd) * 100, (m + sd) * 100, alpha=0.15)
+        if baseline and loss != 'clip':
+            ax.plot(baseline['samples_seen'], np.array(baseline['mean']) * 100, 'k--', lw=1, label='clip, 100%')
+        ax.axhline(report['reference_accuracy'] * 100, color='grey', lw=1, ls=':', label='reference')
+        ax.set_title(loss)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(losses):]:
+        ax.axis('off')
+    for ax in axes[-1]:
+        ax.set_xlabel('samples seen')
+    for ax in axes[:, 0]:
+        ax.set_ylabel('zero-shot top-1 (%)')
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"Zero-shot top-1 vs samples seen, mean ± std over {len(report['config']['seeds'])} seeds "
+                 f"({report['data']['name']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scaling_rows(report, gflops_per_sample: float):
+    """Input for scaling_law.py: per loss and samples seen, the lowest mean error over the data fractions (the
+    paper's §6.3 procedure: the best dataset size for each compute)."""
+    rows = []
+    for loss, per_fraction in report['summary'].items():
+        best = {}
+        for entry in per_fraction.values():
+            for seen, accuracy in zip(entry.get('curve', {}).get('samples_seen', []), entry.get('curve', {}).get('mean', [])):
+                best[seen] = min(best.get(seen, 1.0), 1.0 - accuracy)
+        rows += [dict(method=loss, samples_seen=seen, gflops_per_sample=gflops_per_sample, error=round(error, 5))
+                 for seen, error in sorted(best.items())]
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from drrho_openclip.plugin import install_import_hook
+    install_import_hook()
+    from drrho_openclip.demo import TINY_MODEL, write_tiny_model
+    from drrho_openclip.losses import get_loss_spec, list_losses
+    start = time.time()
+    work = Path(args.workdir).resolve() / ('quick' if args.quick else 'full')
+    if work.exists():
+        shutil.rmtree(work)  # a scratch area: runs are named per loss/fraction/seed and OpenCLIP never overwrites
+    work.mkdir(parents=True)
+    preset = args.preset
+    if args.train_data:
+        data = dict(name=Path(args.train_data).stem, train=args.train_data, ref=args.ref_data, test=args.test_data,
+                    classes=args.classes, description=f"own data: {args.train_data} (reference {args.ref_data}, "
+                                                      f"test {args.test_data})")
+    else:
+        data = prepare_data(args.data, work / 'data', preset['ref'], args.train_samples, preset['test'])
+        data['description'] = ('Fashion-MNIST (Debian dataset-fashion-mnist), captions from class names, synonyms '
+                               'and descriptions' if data['name'] == 'fashion-mnist' else
+                               "the demo's drawn shapes (FALLBACK: Fashion-MNIST could not be installed)")
+    if args.model:
+        model, model_description = args.model, args.model
+    else:
+        model = write_tiny_model(work / 'tiny_model')
+        model_description = f"the demo's tiny CLIP ({json.dumps(TINY_MODEL['model_cfg'])})"
+    losses = args.losses or list_losses()
+    train_full, ref_data = Dataset(data['train'], args), Dataset(data['ref'], args)
+    quantum = 4 * args.batch_size  # 50%, 75% and 100% in whole batches
+    size = len(train_full) // quantum * quantum if train_full.is_csv else len(train_full)
+    if size < quantum:
+        raise SystemExit(f"{data['train']} has {len(train_full)} samples: at least {quantum} are needed")
+    subsets = {f: train_full.subset(f, size, work) for f in FRACTIONS}
+    classes = json.loads(Path(data['classes']).read_text())
+    logs = work / 'logs'
+    common = dict(model=model, args=args, logs=str(logs), classes=data['classes'], test_data=data['test'],
+                  test_samples=preset['test'], batch_size=args.batch_size)
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context('spawn'),
+                                                  initializer=_worker_init)
+
+    print(f"[1/3] reference model: --loss clip on {len(ref_data)} pairs, {preset['ref_epochs']} epochs", flush=True)
+    ref = pool.submit(run_task, dict(common, name='reference', loss='clip', fraction=None, seed=0,
+                                     epochs=preset['ref_epochs'], samples_per_epoch=len(ref_data) // args.batch_size
+                                     * args.batch_size, keep_checkpoints=True,
+                                     argv=train_argv(model, ref_data, len(ref_data), logs, 'reference',
+                                                     preset['ref_epochs'], args, 0))).result()
+    if 'error' in ref:
+        raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
+    ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{preset['ref_epochs']}.pt"
+    print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}; precomputing its features", flush=True)
+    stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in FRACTIONS}
+    if not train_full.is_csv:  # WebDataset: one store keyed by (shard, key) serves every subset of the shards
+        stores = dict.fromkeys(FRACTIONS, work / 'ref_features')
+    jobs = {out: precompute(model, ref_checkpoint, subsets[f], out, args) for f, out in stores.items()}
+    for out, job in jobs.items():
+        if job.wait():
+            raise SystemExit(f"precompute for {out} failed:\n{job.stderr.read()[-2000:]}")
+
+    samples_seen = args.epochs * size
+    tasks, reference_use = [], {}
+    for loss in losses:
+        needs_ref = get_loss_spec(loss).reference == 'required'
+        reference_use[loss] = 'required (--ref-features)' if needs_ref else f"{get_loss_spec(loss).reference}: not given"
+        for fraction in FRACTIONS:
+            epochs = round(args.epochs / fraction)
+            n = len(subsets[fraction])
+            for seed in args.seeds:
+                name = f"{loss}-{round(fraction * 100):03d}-s{seed}"
+                extra = ['--loss', loss] + (['--ref-features', stores[fraction]] if needs_ref else [])
+                tasks.append(dict(common, name=name, loss=loss, fraction=fraction, seed=seed, epochs=epochs,
+                                  samples_per_epoch=n // args.batch_size * args.batch_size,
+                                  reference=str(ref_checkpoint),
+                                  variance_data=data['train'] if fraction == 1.0 else None,
+                                  variance_samples=size,
+                                  argv=train_argv(model, subsets[fraction], n, logs, name, epochs, args, seed, extra)))
+    print(f"[2/3] {len(tasks)} target runs: {len(losses)} losses x {len(FRACTIONS)} fractions x {len(args.seeds)} "
+          f"seeds, {samples_seen} samples seen each, {args.jobs} worker processes", flush=True)
+    runs = []
+    for future in concurrent.futures.as_completed([pool.submit(run_task, t) for t in tasks]):
+        r = future.result()
+        runs.append(r)
+        status = f"failed: {r['error']}" if 'error' in r else f"top-1 {r['accuracy']:.1%}"
+        print(f"      [{len(runs):3d}/{len(tasks)}] {r['name']:<24} {r['train_seconds']:5.1f}s  {status}", flush=True)
+    pool.shutdown()
+
+    print("[3/3] writing results", flush=True)
+    runs.sort(key=lambda r: (r['loss'], r['fraction'], r['seed']))
+    skipped = {r['name']: r['error'] for r in runs if 'error' in r}
+    report = dict(
+        data=dict(name=data['name'], description=data['description']),
+        config=dict(model=model, model_description=model_description, train_samples=size,
+                    ref_samples=len(ref_data), test_samples=preset['test'], num_classes=len(classes['classnames']),
+                    batch_size=args.batch_size, epochs_at_100=args.epochs, ref_epochs=preset['ref_epochs'],
+                    lr=preset['lr'], samples_seen=samples_seen, seeds=args.seeds, fractions=FRACTIONS,
+                    variance_samples=size, variance_temperature=VARIANCE_TEMPERATURE, quick=args.quick),
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end, "
+                f"torch threads 1 per worker x {args.jobs} workers",
+        reference_accuracy=ref['accuracy'], reference_curve=ref['curve'], reference_use=reference_use,
+        summary=summarize(runs, losses), runs=runs, skipped=skipped, wall_seconds=time.time() - start)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = '_quick' if args.quick else ''
+    (out / f'replication{suffix}.json').write_text(json.dumps(report, indent=1))
+    (out / f'replication{suffix}.md').write_text(markdown(report))
+    plot(report, out / f'accuracy_vs_samples{suffix}.png')
+    sys.path.insert(0, str(HERE))
+    from scaling_law import gflops_per_sample, write_rows
+    write_rows(scaling_rows(report, gflops_per_sample(model)), out / f'scaling_input{suffix}.csv')
+    print(markdown(report))
+    print(f"wrote {out}/replication{suffix}.{{md,json}}, accuracy_vs_samples{suffix}.png, scaling_input{suffix}.csv "
+          f"in {(time.time() - start) / 60:.1f} min")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,36 @@
+#!/bin/bash
+# Single-node OpenCLIP training with any --loss of drrho-openclip: torchrun, one process per GPU.
+#
+#   bash launch/torchrun_train.sh                          # settings below
+#   LOSS=clip REF_FEATURES= bash launch/torchrun_train.sh  # a loss without reference features
+#   bash launch/torchrun_train.sh --epochs 40              # extra arguments go to open_clip_train.main
+#   DRY_RUN=1 bash launch/torchrun_train.sh                # print the command, run nothing
+#
+# Run it again to continue an interrupted run: the run name is fixed and it starts with `--resume latest`.
+set -euo pipefail
+
+# ---- settings: edit here, or set them in the environment ----
+LOSS=${LOSS:-drrho}                                    # any name that `--loss` accepts
+MODEL=${MODEL:-ViT-B-32}
+TRAIN_DATA=${TRAIN_DATA:-"/data/cc3m/shards/{00000..00331}.tar"}
+TRAIN_NUM_SAMPLES=${TRAIN_NUM_SAMPLES:-2818102}        # empty: let OpenCLIP read the shards' sizes
+REF_FEATURES=${REF_FEATURES-/data/cc3m/ref_features}   # set empty for a loss that uses no reference features
+LOGS=${LOGS:-./logs}
+NAME=${NAME:-$LOSS-$MODEL}                             # fixed: what --resume latest looks up
+TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 256 --epochs 30 --lr 1e-3 --wd 0.1 --warmup 2000 --workers 6 \
+    --precision amp --save-frequency 1 --local-loss --gather-with-grad"}
+NPROC=${NPROC:-gpu}                                    # processes; "gpu": one per visible GPU
+
+cmd=(torchrun --standalone --nproc_per_node="$NPROC"
+     -m open_clip_train.main --   # `--`: torchrun would read --logs as one of its own options (torch >= 2.14)
+     --logs "$LOGS" --name "$NAME" --resume latest --model "$MODEL" --train-data "$TRAIN_DATA" --loss "$LOSS")
+[[ -n "$TRAIN_NUM_SAMPLES" ]] && cmd+=(--train-num-samples "$TRAIN_NUM_SAMPLES")
+[[ -n "$REF_FEATURES" ]] && cmd+=(--ref-features "$REF_FEATURES")
+read -ra extra <<< "$TRAIN_ARGS"
+cmd+=("${extra[@]}" "$@")   # later flags win: arguments of this script override the settings
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    printf '%q ' "${cmd[@]}"; echo
+else
+    exec "${cmd[@]}"
+fi

@@ -1,0 +1,129 @@
+"""launch/: the SLURM and torchrun scripts print the right command in DRY_RUN mode, and the torchrun precompute
+runs for real (two CPU ranks)."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ENV
+from drrho_openclip import precompute
+from drrho_openclip.features import FeatureStore
+from test_precompute_scale import SIZES, write_checkpoint, write_shards
+
+LAUNCH = Path(__file__).resolve().parents[1] / 'launch'
+SLURM_VARIABLES = [name for name in os.environ if name.startswith('SLURM_')]
+
+
+def run_script(name, *args, dry_run=True, path_prefix=None, **env):
+    """Run a launch script with bash; returns the CompletedProcess. No SLURM variable leaks in from outside."""
+    env = {**{k: v for k, v in ENV.items() if k not in SLURM_VARIABLES}, **{k: str(v) for k, v in env.items()}}
+    if dry_run:
+        env['DRY_RUN'] = '1'
+    if path_prefix:
+        env['PATH'] = f"{path_prefix}:{env['PATH']}"
+    return subprocess.run(['bash', str(LAUNCH / name), *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def printed_command(name, *args, **env):
+    result = run_script(name, *args, **env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    return shlex.split(lines[0])
+
+
+def option(cmd, flag):
+    """The value of `flag` in cmd (`--flag value` or `--flag=value`), the last one if repeated."""
+    values = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == flag]
+    values += [a.split('=', 1)[1] for a in cmd if a.startswith(flag + '=')]
+    assert values, f'{flag} not in {cmd}'
+    return values[-1]
+
+
+def training_args(cmd):
+    """The arguments open_clip_train.main gets: those after `-m open_clip_train.main --`."""
+    i = cmd.index('open_clip_train.main')
+    assert cmd[i - 1] == '-m' and cmd[i + 1] == '--', cmd
+    return cmd[i + 2:]
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path):
+    """An `scontrol` that expands the node list the way Slurm does for 'gpu[07-08]'."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    script = bin_dir / 'scontrol'
+    script.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    script.chmod(0o755)
+    return bin_dir
+
+
+def test_slurm_train_runs_one_torchrun_per_node_with_a_c10d_rendezvous(fake_scontrol):
+    cmd = printed_command('slurm_train.sbatch', '--lr', '1e-3', path_prefix=fake_scontrol,
+                          SLURM_JOB_NODELIST='gpu[07-08]', SLURM_NNODES='2', SLURM_JOB_ID='4242',
+                          SLURM_GPUS_ON_NODE='4', LOSS='drrho', REF_FEATURES='/feat', TRAIN_DATA='/d/{0..9}.tar')
+    torchrun = cmd.index('torchrun')
+    assert cmd[0] == 'srun' and option(cmd[:torchrun], '--nodes') == '2'
+    assert option(cmd[:torchrun], '--ntasks-per-node') == '1'
+    launcher = cmd[torchrun:cmd.index('open_clip_train.main')]
+    assert option(launcher, '--nnodes') == '2' and option(launcher, '--nproc_per_node') == '4'
+    assert option(launcher, '--rdzv_backend') == 'c10d' and option(launcher, '--rdzv_id') == '4242'
+    assert option(launcher, '--rdzv_endpoint') == f'gpu07:{29500 + 4242 % 1000}'
+    args = training_args(cmd)
+    assert option(args, '--loss') == 'drrho' and option(args, '--ref-features') == '/feat'
+    assert option(args, '--resume') == 'latest' and option(args, '--train-data') == '/d/{0..9}.tar'
+    assert '--logs' in args and option(args, '--name') == 'drrho-ViT-B-16'  # a fixed name: the run to resume
+    assert args[-2:] == ['--lr', '1e-3']  # the script's arguments come last, so they win
+
+
+def test_slurm_train_dry_run_outside_slurm_and_a_loss_without_reference():
+    cmd = printed_command('slurm_train.sbatch', LOSS='sogclr', REF_FEATURES='')
+    assert option(cmd, '--rdzv_endpoint') == 'MASTER_NODE:29500'
+    args = training_args(cmd)
+    assert option(args, '--loss') == 'sogclr' and '--ref-features' not in args
+
+
+def test_slurm_train_refuses_to_run_outside_a_job():
+    result = run_script('slurm_train.sbatch', dry_run=False)
+    assert result.returncode == 1 and 'not inside a SLURM job' in result.stderr and not result.stdout
+
+
+def test_torchrun_train_is_standalone():
+    cmd = printed_command('torchrun_train.sh', NPROC='2', LOSS='fastclip', REF_FEATURES='', NAME='run7')
+    assert cmd[:3] == ['torchrun', '--standalone', '--nproc_per_node=2']
+    args = training_args(cmd)
+    assert option(args, '--loss') == 'fastclip' and option(args, '--resume') == 'latest'
+    assert option(args, '--name') == 'run7' and '--logs' in args and '--ref-features' not in args
+
+
+@pytest.mark.parametrize('env, part, parts', [
+    (dict(SLURM_ARRAY_TASK_ID='3', SLURM_ARRAY_TASK_MIN='0', SLURM_ARRAY_TASK_COUNT='8'), '3', '8'),
+    (dict(SLURM_ARRAY_TASK_ID='5', SLURM_ARRAY_TASK_MIN='1', SLURM_ARRAY_TASK_COUNT='8'), '4', '8'),
+    ({}, '0', '1'),  # outside an array: everything in one part
+])
+def test_slurm_precompute_array_task_computes_its_part(env, part, parts):
+    cmd = printed_command('slurm_precompute.sbatch', '--dtype', 'int8', OUTPUT='/feat', DTYPE='float16', **env)
+    assert cmd[0] == 'drrho-openclip-features' and option(cmd, '--output') == '/feat'
+    assert option(cmd, '--part') == part and option(cmd, '--num-parts') == parts
+    assert option(cmd, '--dtype') == 'int8'  # the script's arguments win
+
+
+def test_torchrun_precompute_computes_one_part_per_rank(shapes, tmp_path):
+    urls = write_shards(tmp_path, shapes['csv'])
+    checkpoint = write_checkpoint(shapes['model'], tmp_path / 'tiny.pt')
+    settings = dict(MODEL=shapes['model'], PRETRAINED=checkpoint, TRAIN_DATA=urls, OUTPUT=tmp_path / 'ref', NPROC=2,
+                    BATCH_SIZE=4, WORKERS=0)
+    cmd = printed_command('torchrun_precompute.sh', '--device', 'cpu', **settings)
+    assert cmd[:3] == ['torchrun', '--standalone', '--nproc_per_node=2']
+    assert cmd[3:6] == ['-m', 'drrho_openclip.precompute', '--'] and option(cmd, '--output') == str(tmp_path / 'ref')
+
+    result = run_script('torchrun_precompute.sh', '--device', 'cpu', dry_run=False, **settings)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'part 0/2: 2 of 5 shards' in result.stderr and 'part 1/2: 3 of 5 shards' in result.stderr
+    assert result.stderr.count('wrote reference features of') == 1  # one rank finished the store
+    store = FeatureStore.open(tmp_path / 'ref')
+    assert [s.count for s in store.shards] == list(SIZES)
+    assert precompute.main(['verify', tmp_path / 'ref', '--train-data', urls]) == 0  # every sample, unit-norm

@@ -1,0 +1,228 @@
+"""Precompute at scale: parts, resume, storage dtypes, finishing the store, and `verify`."""
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ENV
+from drrho_openclip import precompute
+from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreWriter
+
+SIZES = (7, 9, 5, 11, 8)  # samples per tar shard: uneven, so parts differ in size
+
+
+def write_shards(root, csv, sizes=SIZES):
+    """Tar shards `shard-{i}.tar` of the CSV's image-caption pairs; returns their brace pattern."""
+    rows = [line.split('\t') for line in csv.read_text().splitlines()[1:]]
+    start = 0
+    for s, size in enumerate(sizes):
+        with tarfile.open(root / f'shard-{s}.tar', 'w') as tar:
+            for path, title, _ in rows[start:start + size]:
+                key = f'{s}/sample-{start:03d}'  # keys with a directory, as img2dataset may write
+                tar.add(path, arcname=f'{key}.png')
+                caption = root / f'caption-{start}.txt'
+                caption.write_text(title)
+                tar.add(caption, arcname=f'{key}.txt')
+                start += 1
+    return str(root / f'shard-{{0..{len(sizes) - 1}}}.tar')
+
+
+def write_checkpoint(model_name, path):
+    """Fixed weights for the tiny model, so that separate processes compute the same features."""
+    import torch
+    torch.manual_seed(0)
+    torch.save(precompute.create_model(model_name)[0].state_dict(), path)
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def data(shapes, tmp_path_factory):
+    root = tmp_path_factory.mktemp('scale')
+    urls = write_shards(root, shapes['csv'])
+    args = ['--model', shapes['model'], '--pretrained', write_checkpoint(shapes['model'], root / 'tiny.pt'),
+            '--train-data', urls, '--batch-size', '4', '--device', 'cpu']
+    # the reference: one process, with loader workers (the parts below use none: a shard's features must not
+    # depend on either)
+    assert precompute.main(args + ['--output', root / 'one', '--workers', '2']) == 0
+    return dict(root=root, urls=urls, args=args + ['--workers', '0'], one=root / 'one')
+
+
+def same_store(a, b):
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b))
+    return all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+
+
+def test_parts_write_the_store_of_one_process(data, tmp_path):
+    out = tmp_path / 'ref'
+    for done, part in enumerate((2, 0, 1), 1):  # any order: the part that ends last finishes the store
+        assert precompute.main(data['args'] + ['--output', out, '--num-parts', 3, '--part', part]) == 0
+        assert out.exists() == (done == 3) and (tmp_path / 'ref.partial').exists() == (done < 3)
+    assert same_store(data['one'], out)
+    assert FeatureStore.open(out).num_samples == sum(SIZES)
+
+
+def test_parts_default_to_torchrun_or_the_slurm_array(monkeypatch):
+    base = ['--model', 'm', '--train-data', 'x.tar', '--output', 'o']
+    for name in ('RANK', 'WORLD_SIZE', 'SLURM_ARRAY_TASK_ID', 'SLURM_ARRAY_TASK_MIN', 'SLURM_ARRAY_TASK_COUNT'):
+        monkeypatch.delenv(name, raising=False)
+    args = precompute.parse_args(base)
+    assert (args.part, args.num_parts) == (0, 1)
+    monkeypatch.setenv('SLURM_ARRAY_TASK_ID', '7')
+    monkeypatch.setenv('SLURM_ARRAY_TASK_MIN', '4')
+    monkeypatch.setenv('SLURM_ARRAY_TASK_COUNT', '5')
+    args = precompute.parse_args(base)
+    assert (args.part, args.num_parts) == (3, 5)
+    monkeypatch.setenv('RANK', '1')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    args = precompute.parse_args(base)
+    assert (args.part, args.num_parts) == (1, 2)
+    for count, parts in ((5, 3), (2, 4), (100, 7)):
+        slices = [range(count)[precompute.part_slice(count, i, parts)] for i in range(parts)]
+        assert [i for s in slices for i in s] == list(range(count))
+        assert max(map(len, slices)) - min(map(len, slices)) <= 1
+
+
+def test_a_rerun_skips_finished_shards_and_ignores_leftovers(data, tmp_path, monkeypatch):
+    out, partial = tmp_path / 'ref', tmp_path / 'ref.partial'
+    assert precompute.main(data['args'] + ['--output', out, '--num-parts', 2, '--part', 0]) == 0  # shards 0, 1
+    finished = {f: os.stat(partial / f).st_mtime_ns for f in os.listdir(partial) if f.startswith('shard-')}
+    assert sorted(finished) == ['shard-0.features.npy', 'shard-0.keys.npy', 'shard-1.features.npy',
+                                'shard-1.keys.npy']
+    # what a killed writer leaves: a complete features file whose keys file was never written, and .tmp files
+    shutil.copy(data['one'] / 'shard-3.features.npy', partial)
+    (partial / 'shard-4.keys.npy.node7-123.tmp').write_bytes(b'half a file')
+    (partial / 'shard-2.features.npy.node7-123.tmp').write_bytes(b'\x93NUMPY')
+    encoded = []
+    encode = precompute._encode
+    monkeypatch.setattr(precompute, '_encode', lambda model, images, *a: encoded.append(len(images)) or
+                        encode(model, images, *a))
+    assert precompute.main(data['args'] + ['--output', out, '--num-parts', 1, '--part', 0]) == 0
+    assert sum(encoded) == sum(SIZES[2:])  # shards 2, 3 and 4 only
+    assert {f: os.stat(out / f).st_mtime_ns for f in finished} == finished
+    assert same_store(data['one'], out)  # bit for bit, and no leftover file
+
+
+def test_a_part_with_other_settings_is_refused(data, tmp_path):
+    out = tmp_path / 'ref'
+    FeatureStoreWriter(out, data['args'][1], data['args'][3], dtype='float32', shards=['shard-0'])
+    with pytest.raises(SystemExit, match=r"ref.partial' holds an unfinished store written with dtype 'float32', "
+                                         r"another list of shards"):
+        precompute.main(data['args'] + ['--output', out, '--dtype', 'int8'])
+
+
+@pytest.mark.parametrize('dtype, tolerance', [('float32', 0), ('float16', 1e-3), ('int8', 1 / 254)])
+def test_every_dtype_loads_as_float32(tmp_path, dtype, tolerance):
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(2, 10, 24))
+    features /= np.linalg.norm(features, axis=-1, keepdims=True)
+    features[:, 3] = 0  # a zero vector (e.g. an empty caption's) must survive int8 scaling
+    writer = FeatureStoreWriter(tmp_path / 'ref', 'm', '', dim=24, dtype=dtype)
+    writer.add_shard('a', [f'k{i}' for i in range(10)], features[0], features[1])
+    assert writer.close()
+    store = FeatureStore.open(tmp_path / 'ref')
+    assert store.dtype == dtype and store.dim == 24
+    assert (tmp_path / 'ref' / 'a.scales.npy').exists() == (dtype == 'int8')
+    for i in range(10):
+        image, text = store.features(store.index_of('a', f'k{i}'))
+        assert image.dtype == text.dtype == torch.float32
+        peak = np.abs(features[:, i]).max()  # int8's step is peak / 127, its error half of that
+        assert np.abs(image.numpy() - features[0, i]).max() <= tolerance * peak + 1e-7
+        assert np.abs(text.numpy() - features[1, i]).max() <= tolerance * peak + 1e-7
+    assert np.array_equal(store.shard_features('a')[3], np.zeros((2, 24)))
+
+
+def test_precompute_writes_int8(data, tmp_path, capsys):
+    assert precompute.main(data['args'] + ['--output', tmp_path / 'ref', '--dtype', 'int8']) == 0
+    int8, one = FeatureStore.open(tmp_path / 'ref'), FeatureStore.open(data['one'])
+    assert int8.dtype == 'int8' and int8.num_samples == one.num_samples
+    assert np.abs(int8.shard_features('shard-3') - one.shard_features('shard-3')).max() < 5e-3
+    scales = np.load(tmp_path / 'ref' / 'shard-3.scales.npy')
+    scales[2, 0] = np.inf
+    np.save(tmp_path / 'ref' / 'shard-3.scales.npy', scales)
+    assert precompute.main(['verify', tmp_path / 'ref']) == 1
+    assert "PROBLEM: shard 'shard-3', file 'shard-3.scales.npy': 32 non-finite values (first in row 2)" in \
+        capsys.readouterr().out
+
+
+def test_finalize_finishes_a_store_whose_shards_are_all_written(tmp_path, capsys):
+    out = tmp_path / 'ref'
+    writer = FeatureStoreWriter(out, 'm', '', dtype='float16', shards=['a', 'b'])
+    unit = np.eye(4)[:2]
+    writer.add_shard('b', ['x', 'y'], unit, unit)
+    with pytest.raises(SystemExit, match="1 of 2 shards are not finished, e.g. 'a'"):
+        precompute.main(['--finalize', '--output', out])
+    writer.add_shard('a', ['z'], unit[:1], unit[:1])
+    (tmp_path / 'ref.partial' / LOCK).touch()  # as if another process were finishing it
+    with pytest.raises(SystemExit, match='another process is finishing the store'):
+        precompute.main(['--finalize', '--output', out])
+    assert not out.exists()
+    (tmp_path / 'ref.partial' / LOCK).unlink()
+    assert precompute.main(['--finalize', '--output', out]) == 0
+    store = FeatureStore.open(out)
+    assert [(s.name, s.count) for s in store.shards] == [('a', 1), ('b', 2)] and store.index_of('b', 'y') == 2
+    assert sorted(os.listdir(out)) == ['a.features.npy', 'a.keys.npy', 'b.features.npy', 'b.keys.npy',
+                                       'manifest.json']
+
+
+def test_verify_reports_every_shard_and_the_coverage(data, capsys):
+    assert precompute.main(['verify', data['one'], '--train-data', data['urls']]) == 0
+    out = capsys.readouterr().out
+    assert "shard-3: 11 samples, keys unique, dim 32, float16, 0 non-finite, 11/11 data keys present" in out
+    assert out.rstrip().endswith('OK')
+
+
+def _nan(path):
+    array = np.load(path)
+    array[4, 1, 0] = np.nan
+    np.save(path, array)
+
+
+def _duplicate_key(path):
+    keys = np.load(path)
+    keys[2] = keys[0]
+    np.save(path, keys)
+
+
+def _rename_key(path):
+    keys = np.load(path)
+    keys[0] = 'not-in-the-data'
+    np.save(path, keys)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:300])
+
+
+@pytest.mark.parametrize('file, corrupt, message', [
+    ('shard-2.features.npy', _nan,
+     "shard 'shard-2', file 'shard-2.features.npy': 1 non-finite values (first in row 4)"),
+    ('shard-2.features.npy', _truncate, "shard 'shard-2': '{root}/shard-2.features.npy' is corrupt"),
+    ('shard-2.keys.npy', _duplicate_key, "shard 'shard-2', file 'shard-2.keys.npy': 1 keys appear more than once, "
+                                         "e.g. '2/sample-016' 2 times"),
+    ('shard-2.keys.npy', _rename_key, "shard 'shard-2', file 'shard-2.keys.npy': 1 samples of the data have no "
+                                      "features, e.g. '2/sample-016'"),
+])
+def test_verify_names_the_corrupt_shard_and_file(data, tmp_path, capsys, file, corrupt, message):
+    root = tmp_path / 'ref'
+    shutil.copytree(data['one'], root)
+    corrupt(root / file)
+    assert precompute.main(['verify', root, '--train-data', data['urls']]) == 1
+    out = capsys.readouterr().out
+    assert f"PROBLEM: {message.format(root=root)}" in out
+    assert "shard-1: 9 samples, keys unique" in out  # the other shards are still reported
+
+
+def test_verify_exit_status_from_the_command_line(data, tmp_path):
+    root = tmp_path / 'ref'
+    shutil.copytree(data['one'], root)
+    _nan(root / 'shard-0.features.npy')
+    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', 'verify', str(root)],
+                            capture_output=True, text=True, env=ENV)
+    assert result.returncode == 1 and "PROBLEM: shard 'shard-0', file 'shard-0.features.npy'" in result.stdout
