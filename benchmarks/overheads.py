@@ -196,8 +196,9 @@ def prepare_training(work: Path, samples, device):
     csv = make_split(work / 'data', 'train', samples, seed=0)
     model = write_tiny_model(work / 'tiny_model')
     features = work / 'ref_features'
-    subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', model, '--train-data', csv,
-                    '--output', features, '--workers', '0', '--device', device], check=True, capture_output=True)
+    from drrho_openclip.precompute import main as precompute
+    precompute(['--model', model, '--train-data', str(csv), '--output', str(features), '--workers', '0',
+                '--device', device])
     return csv, model, features
 
 
@@ -359,7 +360,8 @@ def main(argv=None):
         print(f"  B={batch}: " + ', '.join(f"{n} {b / 2 ** 20:.1f} MiB" for n, b in loss_memory[batch].items()),
               flush=True)
     print(f"[3/3] training step: --loss drrho vs --loss clip, batch {train_batch}, {train_repeats} rounds", flush=True)
-    work = HERE / 'results' / 'tmp' / f'overheads_{mode}'
+    out = Path(args.output) if args.output else HERE / 'results' / f"overheads{'' if mode == 'cpu' else '_' + mode}"
+    work = out.parent / 'tmp' / out.name  # data, features and training logs
     if work.exists():
         import shutil
         shutil.rmtree(work)
@@ -379,7 +381,6 @@ def main(argv=None):
         raw=dict(loss_seconds={str(b): t for b, t in loss_times.items()},
                  loss_peak_bytes={str(b): m for b, m in loss_memory.items()}, training=training),
         wall_seconds=time.time() - start)
-    out = Path(args.output) if args.output else HERE / 'results' / f"overheads{'' if mode == 'cpu' else '_' + mode}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix('.json').write_text(json.dumps(report, indent=1))
     out.with_suffix('.md').write_text(markdown(report))

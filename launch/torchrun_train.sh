@@ -23,7 +23,9 @@ NPROC=${NPROC:-gpu}                                    # processes; "gpu": one p
 
 cmd=(torchrun --standalone --nproc_per_node="$NPROC"
      -m open_clip_train.main --   # `--`: torchrun would read --logs as one of its own options (torch >= 2.14)
-     --logs "$LOGS" --name "$NAME" --resume latest --model "$MODEL" --train-data "$TRAIN_DATA" --loss "$LOSS")
+     --logs "$LOGS" --name "$NAME" --model "$MODEL" --train-data "$TRAIN_DATA" --loss "$LOSS"
+     # resume from epoch_latest.pt: written atomically, unlike epoch_N.pt, which a job killed while saving truncates
+     --resume latest --save-most-recent)
 [[ -n "$TRAIN_NUM_SAMPLES" ]] && cmd+=(--train-num-samples "$TRAIN_NUM_SAMPLES")
 [[ -n "$REF_FEATURES" ]] && cmd+=(--ref-features "$REF_FEATURES")
 read -ra extra <<< "$TRAIN_ARGS"

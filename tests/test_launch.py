@@ -74,7 +74,8 @@ def test_slurm_train_runs_one_torchrun_per_node_with_a_c10d_rendezvous(fake_scon
     assert option(launcher, '--rdzv_endpoint') == f'gpu07:{29500 + 4242 % 1000}'
     args = training_args(cmd)
     assert option(args, '--loss') == 'drrho' and option(args, '--ref-features') == '/feat'
-    assert option(args, '--resume') == 'latest' and option(args, '--train-data') == '/d/{0..9}.tar'
+    assert option(args, '--resume') == 'latest' and '--save-most-recent' in args
+    assert option(args, '--train-data') == '/d/{0..9}.tar'
     assert '--logs' in args and option(args, '--name') == 'drrho-ViT-B-16'  # a fixed name: the run to resume
     assert args[-2:] == ['--lr', '1e-3']  # the script's arguments come last, so they win
 
@@ -96,6 +97,7 @@ def test_torchrun_train_is_standalone():
     assert cmd[:3] == ['torchrun', '--standalone', '--nproc_per_node=2']
     args = training_args(cmd)
     assert option(args, '--loss') == 'fastclip' and option(args, '--resume') == 'latest'
+    assert '--save-most-recent' in args
     assert option(args, '--name') == 'run7' and '--logs' in args and '--ref-features' not in args
 
 

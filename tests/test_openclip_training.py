@@ -32,9 +32,21 @@ def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
     assert 'loss_state' not in checkpoint(tmp_path, 'run', 1)
 
 
-def test_killed_run_resumes_exactly(shapes, tmp_path):
-    args = lambda name, *extra: train_args(shapes, tmp_path, name, *DRRHO, '--ref-features', shapes['ref'], *extra,
-                                           epochs=2)
+def loss_args(shapes, name):
+    """Command-line flags of a stateful configuration of each loss (γ < 1 from epoch 1 on)."""
+    ref = ('--ref-features', shapes['ref'])
+    return {
+        'drrho': (*DRRHO, *ref),
+        'sogclr': ('--loss', 'sogclr', '--gamma', '0.5'),
+        'fastclip+kd': ('--loss', 'fastclip', '--gamma', '0.5', '--distill-weight', '0.25', *ref),
+        'isogclr': ('--loss', 'isogclr', '--gamma', '0.5', '--lr-tau', '0.01'),
+        'tempnet': ('--loss', 'tempnet', '--gamma', '0.5', '--tempnet-width', '16', '--tempnet-prototypes', '8'),
+    }[name]
+
+
+@pytest.mark.parametrize('name', ['drrho', 'isogclr', 'tempnet'])
+def test_killed_run_resumes_exactly(shapes, tmp_path, name):
+    args = lambda run, *extra: train_args(shapes, tmp_path, run, *loss_args(shapes, name), *extra, epochs=2)
     run_openclip(args('full'))
     # the same run, killed once epoch 1 is saved, then continued with --resume latest
     process = start_openclip(args('split'))
@@ -48,9 +60,10 @@ def test_killed_run_resumes_exactly(shapes, tmp_path):
     second.unlink(missing_ok=True)  # had it got that far, resume from epoch 1 all the same
     run_openclip(args('split', '--resume', 'latest'))
     a, b = checkpoint(tmp_path, 'full', 2), checkpoint(tmp_path, 'split', 2)
-    for key in a['state_dict']:
+    assert a['state_dict'].keys() == b['state_dict'].keys() and a['loss_state'].keys() == b['loss_state'].keys()
+    for key in a['state_dict']:  # TempNet's parameters included
         assert_same(a['state_dict'][key], b['state_dict'][key])
-    for key in ('state.log_u_image', 'state.log_u_text'):
+    for key in a['loss_state']:  # u, and isogclr's τ tables and their Adam moments
         assert_same(a['loss_state'][key], b['loss_state'][key])
 
 
@@ -63,15 +76,16 @@ SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
 def assert_equivalent_runs(a, b, prefix=''):
     for key, value in a['state_dict'].items():
         assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=1e-6)
-    for key in ('state.log_u_image', 'state.log_u_text'):
+    assert a['loss_state'].keys() == b['loss_state'].keys()
+    for key in a['loss_state']:
         # log u is ℓ̂/τ-sized (hundreds at τ = 0.01): float32 rounding of the features is amplified 1/τ times
         assert_same(a['loss_state'][key], b['loss_state'][key], rtol=1e-4, atol=1e-4)
         assert torch.isfinite(a['loss_state'][key]).all()
 
 
-@pytest.mark.parametrize('loss', [DRRHO + ('--ref-features',), ('--loss', 'sogclr', '--gamma', '0.5')])
-def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, loss):
-    loss = [*loss, shapes['ref']] if loss[-1] == '--ref-features' else list(loss)
+@pytest.mark.parametrize('name', ['drrho', 'sogclr', 'fastclip+kd', 'isogclr', 'tempnet'])
+def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, name):
+    loss = loss_args(shapes, name)
     run_openclip(train_args(shapes, tmp_path, 'one', *loss, *SGD, batch_size=8, epochs=2))
     run_openclip(train_args(shapes, tmp_path, 'two', *loss, *SGD, '--local-loss', '--gather-with-grad', batch_size=4,
                             epochs=2), nproc=2)

@@ -256,8 +256,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self._last = {}
 
     def set_epoch(self, epoch: int):
-        if self.state is not None:
-            self.state.set_epoch(epoch)
+        for part in (self.state, self.temperature):
+            if hasattr(part, 'set_epoch'):
+                part.set_epoch(epoch)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self.state is not None:

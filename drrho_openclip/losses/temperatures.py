@@ -82,6 +82,19 @@ class PerSampleTemperature(nn.Module):
         self._rows = None
 
 
+def sample_keyed_dropout(x: torch.Tensor, index: torch.Tensor, epoch: int, p: float) -> torch.Tensor:
+    """Dropout whose mask is a hash of (sample index, epoch, unit): a sample gets the same mask whichever rank,
+    step or restart draws it, so a resumed run, or one with another world size, trains exactly alike."""
+    if p == 0:
+        return x
+    units = torch.arange(x.shape[1], device=x.device)
+    z = index.to(x.device, torch.int64)[:, None] * 1_000_003 + epoch * 7_919 + units[None, :] * 104_729
+    for multiplier in (0x5851F42D4C957F2D, 0x14057B7EF767814F):  # xorshift-multiply mixing (wraps in int64)
+        z = (z ^ (z >> 29)) * multiplier
+    uniform = ((z >> 11) & ((1 << 52) - 1)).to(torch.float64) / float(1 << 52)
+    return x * (uniform >= p).to(x.dtype) / (1 - p)
+
+
 class TempNet(nn.Module):
     """TempNet for CLIP embeddings (Qiu et al., 2024; tempnet.md §2.2): τ(e) ∈ [τ_min, τ_max] of an embedding,
     built after the optimal τ of Lemma 5.1 (attention pooling minus mean pooling of the logits):
@@ -97,16 +110,20 @@ class TempNet(nn.Module):
             raise ValueError(f"need 0 < tau_min < tau_max, got {tau_min}, {tau_max}")
         self.tau_min, self.tau_max = tau_min, tau_max
         self.transform = nn.Linear(embed_dim, width)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout
         self.prototypes = nn.Parameter(torch.randn(prototypes, width))
         self.log_pool_temperature = nn.Parameter(torch.tensor(math.log(0.01)))  # κ
         self.pool = nn.Linear(prototypes, 1)  # a and c, initialised to 1 and 0
         nn.init.ones_(self.pool.weight)
         nn.init.zeros_(self.pool.bias)
 
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: torch.Tensor, index: torch.Tensor = None, epoch: int = 0) -> torch.Tensor:
         # in the network's own dtype (a pure-bf16 model makes it bf16); the loss casts τ back to its compute dtype
-        x = self.dropout(torch.sigmoid(self.transform(embeddings.to(self.transform.weight.dtype))))
+        x = torch.sigmoid(self.transform(embeddings.to(self.transform.weight.dtype)))
+        if self.training and self.dropout:
+            if index is None:
+                raise ValueError("TempNet's dropout is keyed by the batch's sample `index`, which is missing")
+            x = sample_keyed_dropout(x, index, epoch, self.dropout)
         logits = x @ F.normalize(self.prototypes, dim=1).T
         attention = torch.softmax(logits / self.log_pool_temperature.exp(), dim=1)
         z = self.pool((attention - 1 / logits.shape[1]) * torch.sigmoid(logits)).squeeze(1)
@@ -121,9 +138,15 @@ class TempNetTemperature(nn.Module):
         super().__init__()
         self.image = TempNet(embed_dim, **tempnet_options)
         self.text = TempNet(embed_dim, **tempnet_options)
+        self.epoch = 0
 
-    def forward(self, image_features=None, text_features=None, **_):
-        return self.image(image_features.detach()), self.text(text_features.detach())
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def forward(self, image_features=None, text_features=None, index=None, **_):
+        # the text network's masks differ from the image network's: another epoch key
+        return (self.image(image_features.detach(), index, 2 * self.epoch),
+                self.text(text_features.detach(), index, 2 * self.epoch + 1))
 
 
 def attach_to_model(model: nn.Module, loss: nn.Module) -> list:

@@ -1,0 +1,128 @@
+"""Fast checks of the benchmarks' core functions on tiny inputs (no timing assertions)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / 'benchmarks'
+sys.path.insert(0, str(BENCHMARKS))
+
+import replication  # noqa: E402
+import scaling_law  # noqa: E402
+
+
+def test_scaling_law_fit_recovers_alpha_and_beta():
+    alpha, beta = 3.5, -0.085
+    compute = np.geomspace(1e9, 1e13, 9)
+    error = alpha * compute ** beta
+    fitted_alpha, fitted_beta, r2 = scaling_law.fit_power_law(compute, error)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_beta == pytest.approx(beta, rel=1e-6)
+    assert r2 == pytest.approx(1.0)
+
+
+def test_scaling_law_reads_runs_fits_per_method_and_plots(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = []
+    for method, (alpha, beta) in {'clip': (2.0, -0.07), 'drrho': (2.5, -0.09)}.items():
+        for seen in (1e8, 3e8, 1e9, 3e9):
+            error = alpha * (10.0 * seen) ** beta * math.exp(0.001 * rng.standard_normal())
+            rows.append(dict(method=method, samples_seen=seen, gflops_per_sample=10.0, error=error))
+    source = tmp_path / 'runs.csv'
+    scaling_law.write_rows(rows, source)
+    assert scaling_law.main([str(source), '--output', str(tmp_path / 'fit')]) == 0
+    fits = json.loads((tmp_path / 'fit.json').read_text())['fits']
+    assert fits['clip']['beta'] == pytest.approx(-0.07, abs=0.003)
+    assert fits['drrho']['beta'] == pytest.approx(-0.09, abs=0.003)
+    assert (tmp_path / 'fit.png').stat().st_size > 0 and '| drrho |' in (tmp_path / 'fit.md').read_text()
+
+
+def test_gflops_per_sample_counts_forward_and_backward(tmp_path):
+    from drrho_openclip.demo import write_tiny_model
+    model = write_tiny_model(tmp_path / 'tiny')
+    gflops = scaling_law.gflops_per_sample(model)
+    # the tiny model's image + text forward is ~7 MFLOPs (matmuls); forward + backward about three times that
+    assert 0.005 < gflops < 0.1
+
+
+def direct_per_sample_losses(image, text, scale, batch):
+    """Loops: for each batch and each anchor, −log softmax of its positive, image→text and text→image."""
+    i2t, t2i = [], []
+    for start in range(0, image.shape[0] // batch * batch, batch):
+        x, y = image[start:start + batch], text[start:start + batch]
+        for a in range(batch):
+            row = [scale * float(x[a] @ y[j]) for j in range(batch)]
+            col = [scale * float(x[j] @ y[a]) for j in range(batch)]
+            i2t.append(math.log(sum(math.exp(v) for v in row)) - row[a])
+            t2i.append(math.log(sum(math.exp(v) for v in col)) - col[a])
+    return np.array(i2t), np.array(t2i)
+
+
+def test_rho_variance_matches_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    unit = lambda: F.normalize(torch.randn(26, 8, generator=g, dtype=torch.float64), dim=-1)
+    target, reference = (unit(), unit()), (unit(), unit())
+    batch, tau = 8, 0.1  # 26 samples: three batches of 8, the last 2 dropped as in the benchmark
+    got = replication.loss_variances(target, reference, batch, temperature=tau)
+    plain = direct_per_sample_losses(*target, 1 / tau, batch)
+    ref = direct_per_sample_losses(*reference, 1 / tau, batch)
+    expected = {'plain_image': plain[0].var(ddof=1), 'plain_text': plain[1].var(ddof=1),
+                'rho_image': (plain[0] - ref[0]).var(ddof=1), 'rho_text': (plain[1] - ref[1]).var(ddof=1)}
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-9), key
+
+
+def csv_args():
+    return SimpleNamespace(csv_separator='\t', csv_img_key='filepath', csv_caption_key='title', csv_label_key='label')
+
+
+def check_prepared(data, n_ref, n_train, n_test, num_classes):
+    frames = {split: pd.read_csv(data[split], sep='\t') for split in ('ref', 'train', 'test')}
+    for split, n in (('ref', n_ref), ('train', n_train), ('test', n_test)):
+        frame = frames[split]
+        assert list(frame.columns) == ['filepath', 'title', 'label'] and len(frame) == n
+        assert all(Path(p).is_file() for p in frame['filepath'])
+        assert frame['title'].str.len().min() > 0 and frame['label'].between(0, num_classes - 1).all()
+    assert not set(frames['ref']['filepath']) & set(frames['train']['filepath'])  # the reference's data is disjoint
+    classes = json.loads(Path(data['classes']).read_text())
+    assert len(classes['classnames']) == num_classes and all('{}' in t for t in classes['templates'])
+    dataset = replication.Dataset(data['train'], csv_args())
+    sizes = [len(dataset.subset(f, n_train, Path(data['train']).parent)) for f in replication.FRACTIONS]
+    assert sizes == [n_train // 2, n_train * 3 // 4, n_train]
+    return frames
+
+
+@pytest.mark.skipif(not replication.FASHION_DIR.is_dir(), reason='Debian dataset-fashion-mnist is not installed')
+def test_fashion_mnist_preparer_builds_csvs_and_class_list(tmp_path):
+    data = replication.prepare_fashion_mnist(tmp_path, n_ref=12, n_train=16, n_test=20)
+    frames = check_prepared(data, 12, 16, 20, num_classes=10)
+    assert frames['test']['label'].value_counts().tolist() == [2] * 10  # class-balanced test split
+    names = {name for _, synonyms, _ in replication.FASHION_CLASSES for name in synonyms}
+    assert all(any(n in title for n in names) for title in frames['train']['title'])
+
+
+def test_shapes_fallback_preparer_builds_csvs_and_class_list(tmp_path):
+    check_prepared(replication.prepare_shapes(tmp_path, n_ref=8, n_train=16, n_test=10), 8, 16, 10, num_classes=20)
+
+
+def test_overheads_smoke_writes_its_json(tmp_path):
+    out = tmp_path / 'overheads'
+    result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--output', str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.with_suffix('.json').read_text())
+    from drrho_openclip.losses import list_losses
+    for per_loss in report['summary']['loss'].values():
+        assert set(per_loss) == {'ClipLoss', *list_losses()}
+        assert all(e['median_ms'] > 0 for e in per_loss.values())
+    assert set(report['summary']['training']) == {'clip', 'drrho'}
+    assert report['summary']['training']['drrho']['peak_mib'] > 0
+    assert out.with_suffix('.md').read_text().startswith('# Overheads')
