@@ -105,7 +105,7 @@ class LossCase:
         self.extras = {}
         if name == BASELINE:
             from open_clip.loss import ClipLoss
-            self.loss = ClipLoss()
+            self.loss = ClipLoss(cache_labels=True)  # as open_clip.create_loss builds it for training
         else:
             spec = get_loss_spec(name)
             options = dict(num_samples=batch) if spec.stateful else {}
@@ -151,17 +151,18 @@ def time_losses(names, sizes, dim, device, repeats):
 
 def memory_worker(name, batch, dim, device):
     """In a fresh process: the peak memory of one forward + backward of one loss."""
-    import torch
     LossCase(name, 8, dim, device).run()  # loads the kernels outside the measured region
     case = LossCase(name, batch, dim, device, seed=1)
     tracker = PeakMemory(device)
     tracker.start()
     case.run()
-    print(json.dumps(dict(peak_bytes=tracker.peak(), method=tracker.method, threads=torch.get_num_threads())))
+    print(json.dumps(dict(peak_bytes=tracker.peak(), method=tracker.method)))
 
 
 def in_fresh_process(*args) -> dict:
-    result = subprocess.run([sys.executable, __file__, *map(str, args)], capture_output=True, text=True)
+    import torch
+    env = {**os.environ, 'OMP_NUM_THREADS': str(torch.get_num_threads())}  # the parent's --threads
+    result = subprocess.run([sys.executable, __file__, *map(str, args)], capture_output=True, text=True, env=env)
     if result.returncode:
         raise RuntimeError(f"{' '.join(map(str, args))} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -318,6 +319,9 @@ def main(argv=None):
     p.add_argument('--smoke', action='store_true', help='tiny batches, seconds; for tests')
     p.add_argument('--sizes', type=int, nargs='+', help='global batch sizes of the loss timings')
     p.add_argument('--dim', type=int, default=512)
+    p.add_argument('--threads', type=int, default=1,
+                   help='torch threads, here and in every measured process (default: %(default)s: on a shared, '
+                        'oversubscribed CPU, OpenMP barriers stall small ops by whole scheduler slices)')
     p.add_argument('--repeats', type=int, default=7, help='interleaved rounds of the loss timings')
     p.add_argument('--train-batch', type=int, help='training-step batch (default: 256 CPU, 1024 CUDA)')
     p.add_argument('--train-repeats', type=int, default=3, help='rounds of the training pair')
@@ -333,6 +337,7 @@ def main(argv=None):
 
     import torch
     from drrho_openclip.losses import list_losses
+    torch.set_num_threads(args.threads)
     cuda = args.device.startswith('cuda')
     if cuda and not torch.cuda.is_available():
         raise SystemExit('--device cuda: no CUDA device')

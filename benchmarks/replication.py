@@ -373,7 +373,7 @@ def run_task(task: dict) -> dict:
             result['variance'] = loss_variances(target, ref, task['batch_size'])
         if not task.get('keep_checkpoints'):
             checkpoint.unlink()
-    result.update(curve=curve, accuracy=curve[-1][1])
+    result.update(curve=curve, accuracy=curve[-1][1], test_images=len(labels))
     return result
 
 
@@ -398,6 +398,7 @@ def parse_args(argv=None):
     p.add_argument('--train-samples', type=int, help='target split size used as 100%% (default: per mode)')
     p.add_argument('--epochs', type=int, help='epochs at 100%% of the data, a multiple of 3 (default: per mode)')
     p.add_argument('--batch-size', type=int)
+    p.add_argument('--test-samples', type=int, help='test images evaluated, from the start (default: per mode)')
     p.add_argument('--jobs', type=int, default=os.cpu_count(), help='worker processes (default: one per core)')
     p.add_argument('--workdir', default=str(HERE / 'results' / 'tmp' / 'replication'))
     p.add_argument('--output', default=str(RESULTS))
@@ -410,6 +411,7 @@ def parse_args(argv=None):
     args.epochs = args.epochs or preset['epochs']
     args.batch_size = args.batch_size or preset['batch_size']
     args.train_samples = args.train_samples or preset['train']
+    args.test_samples = args.test_samples or preset['test']
     args.preset = preset
     if args.epochs % 3:
         p.error('--epochs must be a multiple of 3 (75%% of the data then runs 4/3 as many epochs)')
@@ -470,13 +472,14 @@ def markdown(report) -> str:
     lines = [
         f"# Mini replication: data efficiency of every registered loss ({report['data']['name']})", '',
         f"Data: {report['data']['description']}. Model: {c['model_description']}. Zero-shot top-1 on "
-        f"{c['test_samples']} held-out test images ({c['num_classes']} classes, chance {100 / c['num_classes']:.0f}%). "
+        f"{report['reference_test_images']} held-out test images ({c['num_classes']} classes, chance {100 / c['num_classes']:.0f}%). "
         f"Every target sees the same {c['samples_seen']} samples (batch {c['batch_size']}, {c['epochs_at_100']} "
         f"epochs at 100% of {c['train_samples']} pairs, {c['epochs_at_100'] * 2} at 50%); seeds {c['seeds']}; "
         f"mean ± std over seeds (sample std). Reference: `--loss clip` on {c['ref_samples']} disjoint pairs, "
         f"{c['ref_epochs']} epochs: **{report['reference_accuracy'] * 100:.1f}%** zero-shot top-1.", '',
         f"Machine: {report['machine']}. Wall time {report['wall_seconds'] / 60:.1f} min.", '',
-        '| loss | reference | 50% data | 75% data | 100% data |', '|---|---|---:|---:|---:|']
+        "JEST and JEST (top-k) read each batch as the super-batch and train on its selected 20%, as in the paper.",
+        '', '| loss | reference features | 50% data | 75% data | 100% data |', '|---|---|---:|---:|---:|']
     for loss, per_fraction in s.items():
         cells = [fmt(e['accuracy']) if 'accuracy' in e else f"failed: {e.get('error', '?')[:80]}"
                  for e in (per_fraction[str(f)] for f in FRACTIONS)]
@@ -501,6 +504,7 @@ def markdown(report) -> str:
 
 def plot(report, path: Path):
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     summary = report['summary']
@@ -523,8 +527,10 @@ def plot(report, path: Path):
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(losses):]:
         ax.axis('off')
-    for ax in axes[-1]:
+    for ax in axes.flat[max(0, len(losses) - cols):len(losses)]:  # the lowest panel of each column
         ax.set_xlabel('samples seen')
+        ax.xaxis.set_tick_params(labelbottom=True)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
     for ax in axes[:, 0]:
         ax.set_ylabel('zero-shot top-1 (%)')
     axes.flat[0].legend(fontsize=7)
@@ -566,7 +572,7 @@ def main(argv=None):
                     classes=args.classes, description=f"own data: {args.train_data} (reference {args.ref_data}, "
                                                       f"test {args.test_data})")
     else:
-        data = prepare_data(args.data, work / 'data', preset['ref'], args.train_samples, preset['test'])
+        data = prepare_data(args.data, work / 'data', preset['ref'], args.train_samples, args.test_samples)
         data['description'] = ('Fashion-MNIST (Debian dataset-fashion-mnist), captions from class names, synonyms '
                                'and descriptions' if data['name'] == 'fashion-mnist' else
                                "the demo's drawn shapes (FALLBACK: Fashion-MNIST could not be installed)")
@@ -585,7 +591,7 @@ def main(argv=None):
     classes = json.loads(Path(data['classes']).read_text())
     logs = work / 'logs'
     common = dict(model=model, args=args, logs=str(logs), classes=data['classes'], test_data=data['test'],
-                  test_samples=preset['test'], batch_size=args.batch_size)
+                  test_samples=args.test_samples, batch_size=args.batch_size)
     logs.mkdir(parents=True)
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context('spawn'),
                                                   initializer=_worker_init, initargs=(str(logs / 'workers.txt'),))
@@ -600,10 +606,13 @@ def main(argv=None):
         raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
     ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{preset['ref_epochs']}.pt"
     print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}; precomputing its features", flush=True)
-    stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in FRACTIONS}
-    if not train_full.is_csv:  # WebDataset: one store keyed by (shard, key) serves every subset of the shards
+    if train_full.is_csv:  # a store describes one CSV file row by row: one per subset
+        stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in FRACTIONS}
+        sources = {stores[f]: subsets[f] for f in FRACTIONS}
+    else:  # WebDataset: one store keyed by (shard, key) serves every subset of the shards
         stores = dict.fromkeys(FRACTIONS, work / 'ref_features')
-    jobs = {out: precompute(model, ref_checkpoint, subsets[f], out, args) for f, out in stores.items()}
+        sources = {work / 'ref_features': train_full}
+    jobs = {out: precompute(model, ref_checkpoint, source, out, args) for out, source in sources.items()}
     for out, job in jobs.items():
         if job.wait():
             raise SystemExit(f"precompute for {out} failed:\n{job.stderr.read()[-2000:]}")
@@ -612,7 +621,8 @@ def main(argv=None):
     tasks, reference_use = [], {}
     for loss in losses:
         needs_ref = get_loss_spec(loss).reference == 'required'
-        reference_use[loss] = 'required (--ref-features)' if needs_ref else f"{get_loss_spec(loss).reference}: not given"
+        reference_use[loss] = {'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[
+            get_loss_spec(loss).reference]
         for fraction in FRACTIONS:
             epochs = round(args.epochs / fraction)
             n = len(subsets[fraction])
@@ -641,13 +651,14 @@ def main(argv=None):
     report = dict(
         data=dict(name=data['name'], description=data['description']),
         config=dict(model=model, model_description=model_description, train_samples=size,
-                    ref_samples=len(ref_data), test_samples=preset['test'], num_classes=len(classes['classnames']),
+                    ref_samples=len(ref_data), test_samples=args.test_samples, num_classes=len(classes['classnames']),
                     batch_size=args.batch_size, epochs_at_100=args.epochs, ref_epochs=preset['ref_epochs'],
                     lr=preset['lr'], samples_seen=samples_seen, seeds=args.seeds, fractions=FRACTIONS,
                     variance_samples=size, variance_temperature=VARIANCE_TEMPERATURE, quick=args.quick),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end, "
                 f"torch threads 1 per worker x {args.jobs} workers",
-        reference_accuracy=ref['accuracy'], reference_curve=ref['curve'], reference_use=reference_use,
+        reference_accuracy=ref['accuracy'], reference_curve=ref['curve'], reference_test_images=ref['test_images'],
+        reference_use=reference_use,
         summary=summarize(runs, losses), runs=runs, skipped=skipped, wall_seconds=time.time() - start)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)

@@ -68,9 +68,11 @@ def _reset_peak_rss():
         return 'ru_maxrss (peak since process start) minus VmRSS before the step'
 
 
-def worker(impl, batch, dim, tile_size, repeats, device):
+def worker(impl, batch, dim, tile_size, repeats, device, threads):
     sys.path.insert(0, str(ROOT))
     import torch
+    if threads > 0:
+        torch.set_num_threads(threads)
     from drrho_openclip.losses import create_loss
     from drrho_openclip.losses.tiled import make_tiled_row_aggregate
 
@@ -150,8 +152,9 @@ def worker(impl, batch, dim, tile_size, repeats, device):
 
 # ---- driver ---------------------------------------------------------------------------------------------------
 
-def run_config(impl, batch, dim, tile_size, repeats, device, timeout):
-    cmd = [sys.executable, __file__, '--worker', impl, str(batch), str(dim), str(tile_size), str(repeats), device]
+def run_config(impl, batch, dim, tile_size, repeats, device, timeout, threads=0):
+    cmd = [sys.executable, __file__, '--worker', impl, str(batch), str(dim), str(tile_size), str(repeats), device,
+           str(threads)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -224,6 +227,7 @@ def main():
     parser.add_argument('--memory-limit-gib', type=float, default=20.0)
     parser.add_argument('--timeout', type=int, default=3600, help='per configuration, seconds')
     parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
+    parser.add_argument('--threads', type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument('--out-dir', type=Path, default=ROOT / 'benchmarks' / 'results')
     parser.add_argument('--tag', default=None, help='output file name suffix')
     args = parser.parse_args()
@@ -232,7 +236,7 @@ def main():
     from drrho_openclip.losses.tiled import DEFAULT_TILE_SIZE
     if args.quick:
         batches = args.batches or [512, 2048]
-        sweep_tiles = [64, 256, 1024] if args.sweep_tiles is None else args.sweep_tiles
+        sweep_tiles = [256, 1024] if args.sweep_tiles is None else args.sweep_tiles
         sweep_batch = args.sweep_batch or 2048
         repeats = 1 if args.repeats is None else args.repeats
     else:
@@ -257,7 +261,7 @@ def main():
             # a small CPU; the kernels are already warm from the tiny warm-up call
             reps = repeats if batch < max(batches) or len(batches) == 1 else 0
             t0 = time.time()
-            r = run_config(impl, batch, args.dim, tile_size, reps, args.device, args.timeout)
+            r = run_config(impl, batch, args.dim, tile_size, reps, args.device, args.timeout, args.threads)
             results.append(r)
             if 'error' in r:
                 notes.append(f"{impl} at batch {batch} failed: {r['error']}")
@@ -268,7 +272,7 @@ def main():
 
     sweep = []
     for t in sweep_tiles:
-        r = run_config('tiled', sweep_batch, args.dim, t, repeats, args.device, args.timeout)
+        r = run_config('tiled', sweep_batch, args.dim, t, repeats, args.device, args.timeout, args.threads)
         sweep.append(r)
         print(f"sweep tile {t:5d} B={sweep_batch}: " + (r['error'] if 'error' in r else
               f"peak {r['peak_gib']:.3f} GiB  step {r['step_s']:.2f} s"), flush=True)
@@ -300,7 +304,8 @@ def main():
     measured = [r for r in results + sweep if 'memory_method' in r]
     report = dict(
         args=dict(quick=args.quick, batches=batches, dim=args.dim, tile_size=tile_size, repeats=repeats,
-                  sweep_tiles=sweep_tiles, sweep_batch=sweep_batch, memory_limit_gib=args.memory_limit_gib),
+                  sweep_tiles=sweep_tiles, sweep_batch=sweep_batch, memory_limit_gib=args.memory_limit_gib,
+                  threads=args.threads),
         device=args.device, machine=f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs',
         threads=measured[0]['threads'] if measured else None,
         memory_method=measured[0]['memory_method'] if measured else None,
@@ -316,7 +321,7 @@ def main():
 
 if __name__ == '__main__':
     if len(sys.argv) > 1 and sys.argv[1] == '--worker':
-        impl, batch, dim, tile_size, repeats, device = sys.argv[2:8]
-        print(json.dumps(worker(impl, int(batch), int(dim), int(tile_size), int(repeats), device)))
+        impl, batch, dim, tile_size, repeats, device, threads = sys.argv[2:9]
+        print(json.dumps(worker(impl, int(batch), int(dim), int(tile_size), int(repeats), device, int(threads))))
     else:
         main()

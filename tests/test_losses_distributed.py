@@ -19,6 +19,8 @@ SCENARIOS = {
     'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05), (0, 1)),
     'drrho-learnable': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, learn_temperature=True, rho=1.0), (0, 1)),
     'sogclr': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1), (0, 1)),
+    'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, tile_size=5), (0, 1)),
+    'isogclr-tiled': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01, tile_size=4), (0, 1, 1)),
     'drrho+kd': ('drrho', dict(gamma=1.0, temperature=0.05, distill_weight=0.3), (0,)),
     'fastclip+kd': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, distill_weight=0.3), (0, 1)),
     'isogclr': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01), (0, 1, 1)),

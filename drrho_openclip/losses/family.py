@@ -6,6 +6,7 @@ from .core import DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, M
 from .jest import JESTLoss
 from .registry import register_loss
 from .temperatures import PerSampleTemperature, TempNetTemperature
+from .tiled import make_tiled_row_aggregate
 
 # The options of a DRO loss with a global τ (the per-loss defaults below override them with the paper's values)
 DRO_OPTIONS = dict(
@@ -15,9 +16,10 @@ DRO_OPTIONS = dict(
     epsilon=1e-14,             # ε in log(ε + g)
     gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample state)
     gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
+    tile_size=0,               # columns per tile of the tiled core (memory linear in the batch); 0: untiled
 )
 # Losses with their own temperature source keep the estimator's options only
-ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'epsilon', 'gamma', 'gamma_decay_epochs')}
+ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'epsilon', 'gamma', 'gamma_decay_epochs', 'tile_size')}
 
 # MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
 DISTILL_OPTIONS = dict(
@@ -31,8 +33,10 @@ def _temperature(o):
 
 
 def _state(o):
+    if not 0 < o.gamma <= 1:
+        raise ValueError(f"gamma (γ) must be in (0, 1], got {o.gamma}")
     # γ = 1 means u is always the mini-batch estimate: no table at all
-    if o.gamma >= 1.0:
+    if o.gamma == 1.0:
         return None
     return MovingAverageState(o.num_samples, o.gamma, o.gamma_decay_epochs, o.world_size)
 
@@ -42,6 +46,10 @@ def _dro(o, use_reference, temperature=None, rho=None, **core_options):
     if temperature is None:
         temperature = _temperature(o)
         rho = o.rho if o.learn_temperature else 0.0
+    if o.tile_size < 0:
+        raise ValueError(f"tile_size must be ≥ 0 (0: untiled), got {o.tile_size}")
+    if o.tile_size:
+        core_options['row_aggregate'] = make_tiled_row_aggregate(o.tile_size)
     return DROContrastiveLoss(
         temperature, getattr(o, 'epsilon', None), rho=rho, state=_state(o), use_reference=use_reference, rank=o.rank,
         world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),

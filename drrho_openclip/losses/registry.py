@@ -39,6 +39,8 @@ OPTION_HELP = dict(
     balance_steps="k, the number of Sinkhorn half-steps (1 = CLIP)",
     selection_ratio="fraction of the super-batch JEST keeps",
     num_chunks="number of chunks JEST draws its selection in",
+    tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled; "
+              "default: tiled with 1024-column tiles from a global batch of 16384, where it measured no slower)",
 )
 
 

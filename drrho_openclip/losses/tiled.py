@@ -1,8 +1,8 @@
 """A tiled, memory-linear drop-in for the core's row aggregation `log_mean_exp_rows`.
 
 `core.log_mean_exp_rows` materialises several b×B matrices (similarities, the shifted loss, the logits, the
-softmax in backward), so the loss needs O(b·B) memory: at a global batch of 65 536 on one device that is tens of
-GiB per matrix. The function here computes the same value and the same gradients while never holding more than a
+softmax in backward), so the loss needs O(b·B) memory: at a global batch of 65 536 on one device that is 16 GiB per
+float32 matrix. The function here computes the same value and the same gradients while never holding more than a
 b×T block of any pairwise matrix (T = `tile_size` columns):
 
 - forward: a streaming (online) log-sum-exp over column tiles of the candidates, with a running row maximum and a
@@ -43,13 +43,17 @@ __all__ = [
     'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_row_aggregate', 'tiled_log_mean_exp_rows',
 ]
 
-# Columns per tile. Chosen with `python benchmarks/tiled_memory.py` (its tile-size sweep) on the 2-core CPU this
-# was developed on, drrho forward+backward at global batch 16 384, d = 512, float32: time is flat within noise
-# from 512 up to 4096 columns (the two matmuls per tile are large enough to run at full BLAS speed; below 256,
-# per-tile overhead starts to show), while peak memory grows linearly with T (~0.1 GiB per 1024 columns at
-# b = 16 384 on top of the O((b + B)·d) inputs/gradients). 1024 sits at the start of the time plateau with the
-# memory still a small fraction of the untiled loss's. On a GPU, larger tiles (4096–8192) keep kernels busier;
-# the value is a per-run choice (`make_tiled_row_aggregate(tile_size)`), not part of the loss's definition.
+# Columns per tile. Chosen with the tile-size sweep of `python benchmarks/tiled_memory.py` on the 2-core CPU (AMD EPYC,
+# MKL) this was developed on, drrho forward+backward, d = 512, float32 (benchmarks/results/tiled_memory*.md); the
+# machine was shared, 1-min load average 5-9, so times are rough:
+#   2 threads, global batch 8192, T = 128 / 256 / 512 / 1024 / 2048 / 4096:
+#     step 68 / 46 / 34 / 22.6 / 20.7 / 24.2 s,  peak 0.07 / 0.09 / 0.20 / 0.16 / 0.25 / 0.42 GiB
+#   1 thread,  global batch 4096, T = 256 / 1024 / 4096:  step 4.1 / 4.3 / 4.8 s,  peak 0.05 / 0.14 / 0.21 GiB
+# Small tiles pay a per-tile cost (~20 small kernels per tile, each an OpenMP region, which is what hurts on an
+# oversubscribed 2-core machine); beyond ~1024 columns time is flat while the b×T blocks (a few alive at once,
+# 4·b·T bytes each) keep growing. 1024 is the smallest tile on the time plateau. On a GPU, larger tiles (4096–8192)
+# keep kernels busier; the value is a per-run choice (`make_tiled_row_aggregate(tile_size)`), not part of the
+# loss's definition.
 DEFAULT_TILE_SIZE = 1024
 
 
@@ -109,7 +113,7 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
     @staticmethod
     def _tile_logits(a, c_tile, inv_tau_col, s_pos, ref_a, rc_tile, r_pos, c0, offset, log_weight, keep_ell,
                      keep_log_w=False):
-        """The tile's logits ℓ̂_ij·inv_tau_i + log w_ij with the positives at −inf; ℓ̂_ij too if `keep_ell`, and
+        """The tile's logits ℓ̂_ij·inv_tau_i + log w_ij (positives at −inf); ℓ̂_ij too if `keep_ell`, and
         the log-weights (positives at −inf) if `keep_log_w`."""
         sim = a @ c_tile.T
         b, t = sim.shape
@@ -258,7 +262,7 @@ def tiled_log_mean_exp_rows(
         *,
         tile_size: int = DEFAULT_TILE_SIZE,
 ) -> torch.Tensor:
-    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]), like `core.log_mean_exp_rows`, in column tiles.
+    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]), like `core.log_mean_exp_rows`, tiled.
 
     Same arguments and result as the core's function, plus `tile_size`: the number of candidate columns processed
     at a time, so no more than a [b, tile_size] block of a pairwise matrix is alive in forward or backward.
