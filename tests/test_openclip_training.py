@@ -79,7 +79,7 @@ def assert_equivalent_runs(a, b, prefix=''):
     assert a['loss_state'].keys() == b['loss_state'].keys()
     for key in a['loss_state']:
         # log u is ℓ̂/τ-sized (hundreds at τ = 0.01): float32 rounding of the features is amplified 1/τ times
-        assert_same(a['loss_state'][key], b['loss_state'][key], rtol=1e-4, atol=1e-4)
+        assert_same(a['loss_state'][key], b['loss_state'][key], rtol=1e-3, atol=1e-3)
         assert torch.isfinite(a['loss_state'][key]).all()
 
 
