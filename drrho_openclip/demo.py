@@ -127,10 +127,10 @@ def train_command(model, csv, logs, name, epochs, batch_size, lr, extra=()):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--workdir', default='drrho-demo', help='where data, features and runs go (default: %(default)s)')
-    p.add_argument('--epochs', type=int, default=6)
+    p.add_argument('--epochs', type=int, default=8)
     p.add_argument('--samples', type=int, default=2048, help='training pairs per split')
     p.add_argument('--batch-size', type=int, default=128)
-    p.add_argument('--lr', type=float, default=2e-3)
+    p.add_argument('--lr', type=float, default=5e-3)
     args = p.parse_args(argv)
 
     root = Path(args.workdir).resolve()
