@@ -11,8 +11,6 @@
 """
 import argparse
 import json
-import math
-import os
 import random
 import subprocess
 import sys

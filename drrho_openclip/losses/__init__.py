@@ -8,7 +8,7 @@ Each loss follows OpenCLIP's call convention:
 from .core import DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, MovingAverageState
 from .registry import create_loss, get_loss_spec, list_losses, loss_options, register_loss
 from .temperatures import PerSampleTemperature, TempNetTemperature, attach_to_model
-from . import family  # registers the named losses
+from . import family  # noqa: F401 - registers the named losses
 
 __all__ = [
     'DROContrastiveLoss', 'FixedTemperature', 'LogitScaleTemperature', 'MovingAverageState',
