@@ -356,7 +356,8 @@ def run_task(task: dict) -> dict:
                   train_seconds=round(time.time() - start, 1))
     if error:
         said = [l for l in console.read_text().splitlines() if 'error:' in l]
-        result['error'] = said[-1].strip() if error.startswith('exit') and said else error
+        result['error'] = (f"skipped, refused at start-up (cannot run on this data): {said[-1].strip()}"
+                           if error.startswith('exit') and said else f'failed: {error}')
         return result
     classes = json.loads(Path(task['classes']).read_text())
     images, labels = _cached(('test', task['test_data']), lambda: _test_set(task))
@@ -481,7 +482,7 @@ def markdown(report) -> str:
         "JEST and JEST (top-k) read each batch as the super-batch and train on its selected 20%, as in the paper.",
         '', '| loss | reference features | 50% data | 75% data | 100% data |', '|---|---|---:|---:|---:|']
     for loss, per_fraction in s.items():
-        cells = [fmt(e['accuracy']) if 'accuracy' in e else f"failed: {e.get('error', '?')[:80]}"
+        cells = [fmt(e['accuracy']) if 'accuracy' in e else e.get('error', '?').split(':')[0]
                  for e in (per_fraction[str(f)] for f in FRACTIONS)]
         lines.append(f"| {loss} | {report['reference_use'][loss]} | " + ' | '.join(cells) + ' |')
     lines += ['', f"## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
@@ -497,8 +498,8 @@ def markdown(report) -> str:
         if v:
             lines.append(f"| {loss} | " + ' | '.join(fmt(v[k], 1, 3) for k in
                                                     ('plain_image', 'plain_text', 'rho_image', 'rho_text')) + ' |')
-    if report['skipped']:
-        lines += ['', '## Runs that failed', ''] + [f"- {k}: {v}" for k, v in report['skipped'].items()]
+    if report['not_run']:
+        lines += ['', '## Runs that did not complete', ''] + [f"- {k}: {v}" for k, v in report['not_run'].items()]
     return '\n'.join(lines) + '\n'
 
 
@@ -620,9 +621,13 @@ def main(argv=None):
     samples_seen = args.epochs * size
     tasks, reference_use = [], {}
     for loss in losses:
-        needs_ref = get_loss_spec(loss).reference == 'required'
-        reference_use[loss] = {'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[
-            get_loss_spec(loss).reference]
+        spec = get_loss_spec(loss)
+        # On WebDataset a sample's index comes from the store's keys: stateful losses that may take a reference
+        # get the store for that (their options leave the features unused); those that take none cannot run.
+        index_only = not train_full.is_csv and spec.reference == 'optional' and spec.stateful
+        needs_ref = spec.reference == 'required' or index_only
+        reference_use[loss] = 'index only (WebDataset keys)' if index_only else {
+            'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[spec.reference]
         for fraction in FRACTIONS:
             epochs = round(args.epochs / fraction)
             n = len(subsets[fraction])
@@ -641,13 +646,13 @@ def main(argv=None):
     for future in concurrent.futures.as_completed([pool.submit(run_task, t) for t in tasks]):
         r = future.result()
         runs.append(r)
-        status = f"failed: {r['error']}" if 'error' in r else f"top-1 {r['accuracy']:.1%}"
+        status = r['error'] if 'error' in r else f"top-1 {r['accuracy']:.1%}"
         print(f"      [{len(runs):3d}/{len(tasks)}] {r['name']:<24} {r['train_seconds']:5.1f}s  {status}", flush=True)
     pool.shutdown()
 
     print("[3/3] writing results", flush=True)
     runs.sort(key=lambda r: (r['loss'], r['fraction'], r['seed']))
-    skipped = {r['name']: r['error'] for r in runs if 'error' in r}
+    not_run = {r['name']: r['error'] for r in runs if 'error' in r}
     report = dict(
         data=dict(name=data['name'], description=data['description']),
         config=dict(model=model, model_description=model_description, train_samples=size,
@@ -659,7 +664,7 @@ def main(argv=None):
                 f"torch threads 1 per worker x {args.jobs} workers",
         reference_accuracy=ref['accuracy'], reference_curve=ref['curve'], reference_test_images=ref['test_images'],
         reference_use=reference_use,
-        summary=summarize(runs, losses), runs=runs, skipped=skipped, wall_seconds=time.time() - start)
+        summary=summarize(runs, losses), runs=runs, not_run=not_run, wall_seconds=time.time() - start)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     suffix = '_quick' if args.quick else ''

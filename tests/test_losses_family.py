@@ -227,15 +227,16 @@ def test_accumulation_equals_one_call(case):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# float32 at τ = 0.01 and a batch of 4096: no inf or nan in the loss, its gradients or its state
+# float32 and bf16 autocast at τ = 0.01 and a batch of 4096: no inf or nan in the loss, its gradients or its state
 
 
 # drrho+kd computes what fastclip+kd does at logit scale 100; two steps where a state's update has its own code
 STABILITY_STEPS = {**{case: 1 for case in CASES if case != 'drrho+kd'}, 'drrho': 2, 'isogclr': 2}
 
 
+@pytest.mark.parametrize('autocast', [False, True], ids=['fp32', 'bf16-autocast'])
 @pytest.mark.parametrize('case', list(STABILITY_STEPS))
-def test_stable_in_float32_at_tau_001(case):
+def test_stable_in_float32_at_tau_001(case, autocast):
     n = 4096
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
@@ -244,6 +245,8 @@ def test_stable_in_float32_at_tau_001(case):
     text = F.normalize(image + 0.3 * text, dim=1)
     ref_image = F.normalize(image + 0.5 * unit(g, n, 32), dim=1)
     ref_text = F.normalize(text + 0.5 * unit(g, n, 32), dim=1)
+    if autocast:  # what a bf16-autocast model hands the loss
+        image, text, ref_image, ref_text = (x.bfloat16() for x in (image, text, ref_image, ref_text))
     image.requires_grad_(), text.requires_grad_()
     logit_scale = torch.tensor(100.0, requires_grad=True)
     options = dict(temperature=0.01)
@@ -254,8 +257,9 @@ def test_stable_in_float32_at_tau_001(case):
     loss = build(case, num_samples=2 * n, **options)
     for epoch in range(STABILITY_STEPS[case]):  # a second step updates the state at γ < 1
         set_epoch(loss, epoch)
-        out = call(loss, case, image, text, logit_scale, torch.arange(n), ref_image, ref_text)
-        total = sum(out.values())
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+            out = call(loss, case, image, text, logit_scale, torch.arange(n), ref_image, ref_text)
+            total = sum(out.values())
         grads = torch.autograd.grad(total, [image, text, logit_scale], allow_unused=True)
         assert torch.isfinite(total), out
         assert all(torch.isfinite(gr).all() for gr in grads if gr is not None)
