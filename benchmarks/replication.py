@@ -356,8 +356,11 @@ def run_task(task: dict) -> dict:
                   train_seconds=round(time.time() - start, 1))
     if error:
         said = [l for l in console.read_text().splitlines() if 'error:' in l]
-        result['error'] = (f"skipped, refused at start-up (cannot run on this data): {said[-1].strip()}"
-                           if error.startswith('exit') and said else f'failed: {error}')
+        if error.startswith('exit') and said:
+            error = said[-1].strip()
+        # stopped before its first step: the plugin's start-up checks refused this loss on this data
+        trained = 'Train Epoch' in console.read_text()
+        result['error'] = f"{'failed' if trained else 'skipped, refused at start-up'}: {error}"
         return result
     classes = json.loads(Path(task['classes']).read_text())
     images, labels = _cached(('test', task['test_data']), lambda: _test_set(task))
@@ -621,13 +624,9 @@ def main(argv=None):
     samples_seen = args.epochs * size
     tasks, reference_use = [], {}
     for loss in losses:
-        spec = get_loss_spec(loss)
-        # On WebDataset a sample's index comes from the store's keys: stateful losses that may take a reference
-        # get the store for that (their options leave the features unused); those that take none cannot run.
-        index_only = not train_full.is_csv and spec.reference == 'optional' and spec.stateful
-        needs_ref = spec.reference == 'required' or index_only
-        reference_use[loss] = 'index only (WebDataset keys)' if index_only else {
-            'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[spec.reference]
+        needs_ref = get_loss_spec(loss).reference == 'required'
+        reference_use[loss] = {'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[
+            get_loss_spec(loss).reference]
         for fraction in FRACTIONS:
             epochs = round(args.epochs / fraction)
             n = len(subsets[fraction])

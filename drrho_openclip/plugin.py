@@ -162,14 +162,17 @@ def add_args(parser):
                    help='compute reference features online with this OpenCLIP model (no gradient)')
     g.add_argument('--ref-pretrained', metavar='TAG_OR_FILE', default=None,
                    help='pretrained tag or checkpoint file of --ref-model')
+    from .losses.core import STATE_LAYOUTS
     for option, (kind, losses) in sorted(_user_options().items()):
-        if option in ('gamma_decay_epochs', 'tile_size'):  # set from the run, whatever the loss
+        if option in ('gamma_decay_epochs', 'tile_size', 'state_layout'):  # set from the run, whatever the loss
             text = f"{OPTION_HELP[option]} [losses: {', '.join(losses)}]"
         else:
             defaults = ', '.join(f"{n} {get_loss_spec(n).defaults[option]}" for n in losses)
             text = f"{OPTION_HELP[option]} [losses and defaults: {defaults}]"
         if kind is bool:  # default None: tells 'not given' from the loss's own default
             g.add_argument(_flag(option), action='store_true', default=None, help=text)
+        elif option == 'state_layout':
+            g.add_argument(_flag(option), choices=STATE_LAYOUTS, default=None, help=text)
         else:
             g.add_argument(_flag(option), type=kind, default=None, metavar=option.upper(), help=text)
 
@@ -286,6 +289,12 @@ def configure_model(model, args):
             raise ValueError(f"--loss {args.loss}: {e}. With WebDataset input the sample index comes from the "
                              f"reference-feature store: pass --ref-features DIR") from e
         raise
+    sharding = getattr(loss, 'sharding', None)
+    if 'state_layout' in options and sharding is not None:
+        args.state_layout = sharding.layout  # 'auto' resolved from the dataset size and the world size
+        if sharding.sharded:
+            logging.info(f"drrho-openclip: per-sample state sharded over {args.world_size} ranks, "
+                         f"{sharding.size} of {sharding.num_samples} rows on rank {args.rank}")
     attached = attach_to_model(model, loss)
     if attached:
         logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
@@ -311,6 +320,103 @@ def create_loss(args):
                          and getattr(args, o) is not None)
     logging.info(f"drrho-openclip: --loss {args.loss} ({type(loss).__name__}): {settings}")
     return loss
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sharded per-sample state in OpenCLIP's checkpoints
+#
+# With --state-layout sharded every rank writes its block of the per-sample tables next to the checkpoint, as the
+# shard set  checkpoints/epoch_N.loss_state/rank-R-of-W.shard  (losses/state_shards.py), before rank 0 writes
+# epoch_N.pt (and epoch_latest.pt with --save-most-recent, which refers to the same set): a checkpoint file never
+# exists without its complete set. The checkpoint's 'loss_state' holds the loss's other entries and the set's
+# manifest under SHARDS_KEY. Nothing there ends in .pt, so `--resume latest` (the newest **/*.pt) never picks it.
+
+SHARDS_KEY = 'per_sample_state_shards'
+SHARD_SET_SUFFIX = '.loss_state'
+LATEST_CHECKPOINT_NAME = 'epoch_latest.pt'  # open_clip_train.main's
+
+
+def _sharded(loss) -> bool:
+    sharding = getattr(loss, 'sharding', None)
+    return sharding is not None and sharding.sharded
+
+
+def _writes_checkpoint(completed_epoch, args) -> bool:
+    """Whether OpenCLIP's rank 0 writes a checkpoint after this epoch (its own conditions, on every rank)."""
+    if not args.logs or args.logs.lower() == 'none':
+        return False
+    return (completed_epoch == args.epochs or args.save_most_recent
+            or (args.save_frequency > 0 and completed_epoch % args.save_frequency == 0))
+
+
+def checkpoint_loss_state(loss, loss_state, completed_epoch, args):
+    """Every rank, before rank 0 writes the epoch's checkpoints: what goes into checkpoint['loss_state']."""
+    if not _sharded(loss):
+        return loss_state  # the whole state_dict, in the checkpoint (rank 0's replicated tables)
+    if not _writes_checkpoint(completed_epoch, args):
+        return {}
+    import os
+    from .losses.core import per_sample_tables
+    from .losses.state_shards import save_state_shards
+    directory = os.path.join(args.checkpoint_path, f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}')
+    manifest = save_state_shards(loss, directory)
+    tables = per_sample_tables(loss)
+    return {**{k: v for k, v in loss_state.items() if k not in tables}, SHARDS_KEY: manifest}
+
+
+def resolve_loss_state(loss, loss_state, args):
+    """Every rank, on resume: the checkpoint's loss state with a shard set read in (this rank's rows of it)."""
+    manifest = loss_state.get(SHARDS_KEY) if isinstance(loss_state, dict) else None
+    if manifest is None:
+        return loss_state
+    import os
+    from .losses.state_shards import load_state_shards
+    if '://' in str(args.resume):
+        raise RuntimeError(f"the per-sample state of this checkpoint is a shard set next to it: resume from a local "
+                           f"(or mounted) copy of the checkpoint directory, with its "
+                           f"'{manifest.get('directory')}' directory")
+    directory = os.path.join(os.path.dirname(os.path.abspath(args.resume)), manifest['directory'])
+    tables = load_state_shards(loss, directory, manifest)
+    sharding = getattr(loss, 'sharding', None)
+    logging.info(f"drrho-openclip: per-sample state read from '{directory}' ({manifest['world_size']} shards), "
+                 f"rows {sharding.start}-{sharding.stop} of {sharding.num_samples} on rank {args.rank}")
+    return {**{k: v for k, v in loss_state.items() if k != SHARDS_KEY}, **tables}
+
+
+def _shard_set_of(checkpoint_file: Path):
+    import torch
+    try:
+        state = torch.load(checkpoint_file, map_location='cpu', mmap=True, weights_only=False).get('loss_state', {})
+    except Exception:  # noqa: BLE001 - unreadable: keep every set
+        return None
+    return state.get(SHARDS_KEY, {}).get('directory', '') if isinstance(state, dict) else ''
+
+
+def checkpoints_saved(completed_epoch, args):
+    """Rank 0, after every rank passed the barrier behind the save: remove the shard sets that no checkpoint refers
+    to any more (that of a deleted epoch_N.pt, with --delete-previous-checkpoint; that of a superseded
+    epoch_latest.pt) and the staging directories of interrupted saves."""
+    import re
+    import shutil
+    if args.rank != 0 or not _sharded(getattr(args, 'plugin_loss', None)) or not _writes_checkpoint(
+            completed_epoch, args):
+        return
+    root = Path(args.checkpoint_path)
+    latest = root / LATEST_CHECKPOINT_NAME
+    if args.save_most_recent:
+        kept_by_latest = f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}'
+    else:
+        kept_by_latest = _shard_set_of(latest) if latest.is_file() else ''
+        if kept_by_latest is None:
+            return
+    pattern = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.tmp-[0-9a-f]+)?')
+    for path in root.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match is None or not path.is_dir():
+            continue
+        staging, epoch = match.group(2), int(match.group(1))
+        if staging or (path.name != kept_by_latest and not (root / f'epoch_{epoch}.pt').is_file()):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class OnlineReference:

@@ -13,6 +13,7 @@ Anchors are this rank's samples, candidates are the global batch gathered *with*
 
 Only torch is needed here: nothing in this module knows about OpenCLIP's training loop.
 """
+import functools
 import math
 from typing import Callable, Optional, Tuple
 
@@ -79,6 +80,118 @@ def write_rows(tables, index: torch.Tensor, rows, world_size: int):
         table[all_index] = packed[:, k + 1].to(table)
 
 
+STATE_LAYOUTS = ('auto', 'replicated', 'sharded')
+# `--state-layout auto` shards the per-sample tables from this many samples on (with more than one rank).
+# From `benchmarks/state_memory.py`: see resolve_state_layout.
+AUTO_SHARD_FROM_SAMPLES = 1 << 22
+
+
+def resolve_state_layout(layout: str, num_samples: int, world_size: int) -> str:
+    """'replicated' or 'sharded' for a layout option ('auto' decides from the size of the tables)."""
+    if layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {', '.join(STATE_LAYOUTS)}, got '{layout}'")
+    if layout == 'auto':
+        return 'sharded' if world_size > 1 and num_samples >= AUTO_SHARD_FROM_SAMPLES else 'replicated'
+    return layout
+
+
+def shard_block(num_samples: int, rank: int, world_size: int) -> Tuple[int, int]:
+    """[start, stop) of the samples rank `rank` of `world_size` holds in the sharded layout: contiguous blocks of
+    ⌈N/W⌉ rows in rank order (the last ones may be shorter, or empty when N < W)."""
+    size = -(-num_samples // world_size)
+    start = min(num_samples, rank * size)
+    return start, min(num_samples, start + size)
+
+
+class SampleSharding:
+    """Where the rows of the per-sample tables live, and how a training step reads and writes them.
+
+    - 'replicated': every rank holds all N rows. A step reads its anchors' rows locally and writes the all-gathered
+      (index, rows) of the global batch on every rank: one all-gather per write, N floats per table per rank.
+    - 'sharded': rank r holds the contiguous block `shard_block(N, r, W)` (⌈N/W⌉ rows). A step all-gathers the
+      global batch's sample indices (once per step, shared by every table that reads them); each owner puts the
+      rows it holds into a [B, k] buffer of zeros that is all-reduced, so every rank gets the old rows of its
+      anchors; the new rows are all-gathered and each owner writes those it holds. Memory O(N/W + B) per rank,
+      collectives of O(B) elements.
+
+    With one rank both layouts are one block of N rows and no collectives. The modules that keep per-sample tables
+    (MovingAverageState, PerSampleTemperature) allocate them with `table()` and list them in `per_sample_tables`;
+    one SampleSharding may be shared by several of them.
+    """
+
+    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, layout: str = 'replicated'):
+        if num_samples <= 0:
+            raise ValueError(f"per-sample state needs the dataset size, got num_samples={num_samples}")
+        if layout not in ('replicated', 'sharded'):
+            raise ValueError(f"the per-sample state layout is 'replicated' or 'sharded', got '{layout}'")
+        self.num_samples, self.rank, self.world_size, self.layout = num_samples, rank, world_size, layout
+        self.sharded = layout == 'sharded' and world_size > 1
+        self.start, self.stop = shard_block(num_samples, rank, world_size) if self.sharded else (0, num_samples)
+        self._batch = None  # (the last index tensor read, its all-gathered global index)
+
+    @property
+    def size(self) -> int:
+        """Rows this rank holds."""
+        return self.stop - self.start
+
+    def table(self, fill: float) -> torch.Tensor:
+        return torch.full((self.size,), float(fill))
+
+    def _global_index(self, index: torch.Tensor) -> torch.Tensor:
+        # the state and the temperature of one step read the same index tensor: gather it once
+        if self._batch is None or self._batch[0] is not index:
+            self._batch = (index, gather_batch(index.to(torch.int64), self.world_size, with_grad=False))
+        return self._batch[1]
+
+    def _owned(self, all_index: torch.Tensor):
+        owned = (all_index >= self.start) & (all_index < self.stop)
+        return owned, (all_index - self.start).clamp(0, max(self.size - 1, 0))
+
+    @torch.no_grad()
+    def read(self, tables, index: torch.Tensor):
+        """The rows of `tables` at this rank's sample `index` (one [b] tensor per table). Collective when sharded:
+        every rank calls it with its own index."""
+        check_index(index, self.num_samples)
+        index = index.to(tables[0].device)
+        if not self.sharded:
+            return [table[index] for table in tables]
+        all_index = self._global_index(index)
+        owned, local = self._owned(all_index)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tables])
+        if self.size:
+            rows = torch.stack([table[local].to(dtype) for table in tables], dim=1)
+            buffer = torch.where(owned[:, None], rows, torch.zeros((), dtype=dtype, device=rows.device))
+        else:
+            buffer = torch.zeros(all_index.shape[0], len(tables), dtype=dtype, device=index.device)
+        dist.all_reduce(buffer)  # one owner per row, zeros elsewhere: the sum is the owner's row (NaN included)
+        mine = buffer[self.rank * index.shape[0]:(self.rank + 1) * index.shape[0]]
+        return [mine[:, k].to(table.dtype) for k, table in enumerate(tables)]
+
+    @torch.no_grad()
+    def write(self, tables, index: torch.Tensor, rows):
+        """tables[k][i] = rows[k] for the samples i of every rank's `index` (collective with several ranks)."""
+        if not self.sharded:
+            write_rows(tables, index, rows, self.world_size)
+            return
+        index = index.to(tables[0].device)
+        all_index = self._global_index(index)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tables])
+        packed = gather_batch(torch.stack([r.to(dtype) for r in rows], dim=1), self.world_size, with_grad=False)
+        owned, local = self._owned(all_index)
+        local, packed = local[owned], packed[owned]
+        for k, table in enumerate(tables):
+            table[local] = packed[:, k].to(table.dtype)
+
+
+def per_sample_tables(module: nn.Module) -> dict:
+    """{state_dict key: (the module holding it, its SampleSharding)} of every per-sample table in `module`."""
+    found = {}
+    for prefix, sub in module.named_modules():
+        for name in getattr(sub, 'per_sample_tables', ()):
+            found[f'{prefix}.{name}' if prefix else name] = (sub, sub.sharding)
+    return found
+
+
 def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
     """[b, B] boolean mask of each anchor's own pair, which sits at column offset + i."""
     rows = torch.arange(num_anchors, device=device)
@@ -137,20 +250,24 @@ class MovingAverageState(nn.Module):
 
     At τ = 0.01 the shifted loss reaches ±4, so exp(ℓ̂/τ) overflows float32 by far: log u does not.
     NaN marks a sample that has not been seen yet; its first estimate is taken as is.
-    The tables are replicated on every rank and updated with the all-gathered rows of the step, so that
-    rank 0's checkpoint holds the whole state.
+    The tables follow `sharding` (default: replicated on every rank and updated with the all-gathered rows of the
+    step, so that rank 0's checkpoint holds the whole state; sharded: each rank holds a block, see SampleSharding).
     """
 
-    def __init__(self, num_samples: int, gamma: float, gamma_decay_epochs: int, world_size: int = 1):
+    per_sample_tables = ('log_u_image', 'log_u_text')
+
+    def __init__(self, num_samples: int, gamma: float, gamma_decay_epochs: int, world_size: int = 1,
+                 sharding: Optional[SampleSharding] = None):
         super().__init__()
-        if num_samples <= 0:
-            raise ValueError(f"per-sample state needs the dataset size, got num_samples={num_samples}")
+        self.sharding = sharding if sharding is not None else SampleSharding(num_samples, world_size=world_size)
+        if self.sharding.num_samples != num_samples:
+            raise ValueError(f"the sharding covers {self.sharding.num_samples} samples, the state {num_samples}")
         self.gamma_min = gamma
         self.gamma_decay_epochs = gamma_decay_epochs
-        self.world_size = world_size
+        self.world_size = self.sharding.world_size
         self.gamma = 1.0
-        self.register_buffer('log_u_image', torch.full((num_samples,), float('nan')))
-        self.register_buffer('log_u_text', torch.full((num_samples,), float('nan')))
+        self.register_buffer('log_u_image', self.sharding.table(float('nan')))
+        self.register_buffer('log_u_text', self.sharding.table(float('nan')))
 
     def set_epoch(self, epoch: int):
         self.gamma = gamma_at_epoch(epoch, self.gamma_min, self.gamma_decay_epochs)
@@ -165,12 +282,16 @@ class MovingAverageState(nn.Module):
     def update(self, index: torch.Tensor, log_g_image: torch.Tensor, log_g_text: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """u_i ← (1−γ) u_i + γ g_i for this rank's rows; returns the new log u of those rows."""
-        check_index(index, self.log_u_image.numel())
-        table_index = index.to(self.log_u_image.device)
-        new_image = self._moving_average(self.log_u_image[table_index].to(log_g_image), log_g_image)
-        new_text = self._moving_average(self.log_u_text[table_index].to(log_g_text), log_g_text)
-        write_rows([self.log_u_image, self.log_u_text], index, [new_image, new_text], self.world_size)
+        tables = [self.log_u_image, self.log_u_text]
+        old_image, old_text = self.sharding.read(tables, index)
+        new_image = self._moving_average(old_image.to(log_g_image), log_g_image)
+        new_text = self._moving_average(old_text.to(log_g_text), log_g_text)
+        self.sharding.write(tables, index, [new_image, new_text])
         return new_image, new_text
+
+    def coverage(self) -> float:
+        """Fraction of the samples whose u has been set (of this rank's block when sharded)."""
+        return (~torch.isnan(self.log_u_image)).float().mean().item() if self.log_u_image.numel() else float('nan')
 
 
 def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) -> torch.Tensor:
@@ -260,16 +381,29 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             if hasattr(part, 'set_epoch'):
                 part.set_epoch(epoch)
 
+    @property
+    def sharding(self) -> Optional[SampleSharding]:
+        """The layout of this loss's per-sample tables (None when it keeps none)."""
+        tables = per_sample_tables(self)
+        return next(iter(tables.values()))[1] if tables else None
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if self.state is not None:
-            if 'state.log_u_image' not in state_dict:
-                raise RuntimeError(
-                    "the checkpoint holds no per-sample state (u) for this loss, so resuming would silently restart "
-                    "the SogCLR estimators; resume from a checkpoint written with the same --loss and --gamma < 1")
-            saved, expected = state_dict['state.log_u_image'].numel(), self.state.log_u_image.numel()
-            if saved != expected:
+        """Also accepts the whole per-sample tables (N rows) in a sharded loss, which keeps its block of them."""
+        tables = per_sample_tables(self)
+        missing = [key for key in tables if key not in state_dict]
+        if missing:
+            raise RuntimeError(
+                f"the checkpoint holds no per-sample state ({', '.join(missing)}) for this loss, so resuming would "
+                f"silently restart the SogCLR estimators (u) or per-sample temperatures; resume from a checkpoint "
+                f"written with the same --loss and --gamma < 1")
+        state_dict = dict(state_dict)
+        for key, (_, sharding) in tables.items():
+            saved = state_dict[key].numel()
+            if saved == sharding.num_samples:
+                state_dict[key] = state_dict[key][sharding.start:sharding.stop]
+            elif not (sharding.sharded and saved == sharding.size):  # else: this rank's block of a sharded loss
                 raise RuntimeError(f"the checkpoint's per-sample state covers {saved} samples, this run's data "
-                                   f"{expected}: resume with the same training data")
+                                   f"{sharding.num_samples}: resume with the same training data")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _state_rows(self, index, log_g_image, log_g_text, accum_step):
@@ -370,7 +504,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             out['distill'] = last['distill'].item()
         if self.state is not None:
             out['gamma'] = self.state.gamma
-            out['state_coverage'] = (~torch.isnan(self.state.log_u_image)).float().mean().item()
+            out['state_coverage'] = self.state.coverage()
         return out
 
 

@@ -2,7 +2,8 @@
 is not a DRO over negatives (balancing, batch selection)."""
 from .adnce import adnce_log_weight
 from .balanced import BalancedClipLoss
-from .core import DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, MovingAverageState
+from .core import (DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, MovingAverageState, SampleSharding,
+                   resolve_state_layout)
 from .jest import JESTLoss
 from .registry import register_loss
 from .temperatures import PerSampleTemperature, TempNetTemperature
@@ -17,9 +18,11 @@ DRO_OPTIONS = dict(
     gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample state)
     gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
     tile_size=0,               # columns per tile of the tiled core (memory linear in the batch); 0: untiled
+    state_layout='auto',       # per-sample tables replicated on every rank or sharded (auto: by their size)
 )
 # Losses with their own temperature source keep the estimator's options only
-ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'epsilon', 'gamma', 'gamma_decay_epochs', 'tile_size')}
+ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'epsilon', 'gamma', 'gamma_decay_epochs', 'tile_size',
+                                                  'state_layout')}
 
 # MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
 DISTILL_OPTIONS = dict(
@@ -32,16 +35,30 @@ def _temperature(o):
     return LogitScaleTemperature() if o.learn_temperature else FixedTemperature(o.temperature)
 
 
-def _state(o):
+def _keeps_state(o) -> bool:
     if not 0 < o.gamma <= 1:
         raise ValueError(f"gamma (γ) must be in (0, 1], got {o.gamma}")
-    # γ = 1 means u is always the mini-batch estimate: no table at all
-    if o.gamma == 1.0:
+    return o.gamma < 1  # γ = 1 means u is always the mini-batch estimate: no table at all
+
+
+def _sharding(o, per_sample_temperature=False):
+    """The layout of the loss's per-sample tables, or None when it keeps none (then state_layout must be 'auto')."""
+    layout = resolve_state_layout(o.state_layout, o.num_samples, o.world_size)
+    if not (_keeps_state(o) or per_sample_temperature):
+        if o.state_layout != 'auto':
+            raise ValueError(f"state_layout '{o.state_layout}' has nothing to lay out: with gamma = 1 this loss "
+                             f"keeps no per-sample state")
         return None
-    return MovingAverageState(o.num_samples, o.gamma, o.gamma_decay_epochs, o.world_size)
+    return SampleSharding(o.num_samples, o.rank, o.world_size, layout)  # raises without the dataset size
 
 
-def _dro(o, use_reference, temperature=None, rho=None, **core_options):
+def _state(o, sharding):
+    if not _keeps_state(o):
+        return None
+    return MovingAverageState(o.num_samples, o.gamma, o.gamma_decay_epochs, o.world_size, sharding=sharding)
+
+
+def _dro(o, use_reference, temperature=None, rho=None, sharding=None, **core_options):
     """The core with the common options; `temperature` and `rho` default to the global τ (ρ only when learned)."""
     if temperature is None:
         temperature = _temperature(o)
@@ -50,9 +67,11 @@ def _dro(o, use_reference, temperature=None, rho=None, **core_options):
         raise ValueError(f"tile_size must be ≥ 0 (0: untiled), got {o.tile_size}")
     if o.tile_size:
         core_options['row_aggregate'] = make_tiled_row_aggregate(o.tile_size)
+    if sharding is None:
+        sharding = _sharding(o)
     return DROContrastiveLoss(
-        temperature, getattr(o, 'epsilon', None), rho=rho, state=_state(o), use_reference=use_reference, rank=o.rank,
-        world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
+        temperature, getattr(o, 'epsilon', None), rho=rho, state=_state(o, sharding), use_reference=use_reference,
+        rank=o.rank, world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', 100.0), **core_options)
 
 
@@ -106,9 +125,10 @@ def fastclip(o):
     defaults=dict(ESTIMATOR_OPTIONS, temperature=0.03, rho=7.0, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01,
                   tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8))
 def isogclr(o):
+    sharding = _sharding(o, per_sample_temperature=True)
     temperature = PerSampleTemperature(o.num_samples, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
-                                       o.tau_beta2, o.tau_eps, o.world_size)
-    return _dro(o, use_reference=False, temperature=temperature, rho=o.rho)
+                                       o.tau_beta2, o.tau_eps, o.world_size, sharding=sharding)
+    return _dro(o, use_reference=False, temperature=temperature, rho=o.rho, sharding=sharding)
 
 
 @register_loss(

@@ -41,6 +41,9 @@ OPTION_HELP = dict(
     num_chunks="number of chunks JEST draws its selection in",
     tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled; "
               "default: tiled with 1024-column tiles from a global batch of 16384, where it measured no slower)",
+    state_layout="where the per-sample tables (u, per-sample τ and its Adam moments) live: 'replicated' (all N rows on "
+                 "every rank) or 'sharded' (each rank holds N/W rows and saves them in per-rank files next to the "
+                 "checkpoint); 'auto': sharded from 4M samples with several ranks",
 )
 
 

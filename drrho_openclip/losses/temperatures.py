@@ -8,20 +8,22 @@ and a temperature network (TempNet). Both give one τ per anchor and direction, 
 which the core's surrogate carries (`core.sogclr_estimate`): the table by its own Adam step, TempNet by autograd.
 """
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import check_index, write_rows
+from .core import SampleSharding
 
 
 class PerSampleTemperature(nn.Module):
     """iSogCLR's learnable τ_i for every sample, for image anchors and text anchors separately.
 
-    The tables are buffers (saved by loss.state_dict(), replicated on every rank like u) and learned outside the
-    model's optimiser: once per optimiser step the core calls `step(objective)`, which takes G_i by autograd on the
-    leaf rows that `forward` handed out, and applies a per-sample Adam step
+    The tables are buffers (saved by loss.state_dict()), laid out like u (`sharding`: replicated on every rank by
+    default, or each rank's block), and learned outside the model's optimiser: once per optimiser step the core
+    calls `step(objective)`, which takes G_i by autograd on the leaf rows that `forward` handed out, and applies a
+    per-sample Adam step
 
         m_i ← β1 m_i + (1−β1) G_i,   v_i ← β2 v_i + (1−β2) G_i²,
         τ_i ← clip(τ_i − lr · m_i / (√v_i + eps), τ_min, τ_max).
@@ -30,8 +32,12 @@ class PerSampleTemperature(nn.Module):
     Adam's step-count correction (the official code's substitute, (epoch+1), assumes one visit per epoch).
     """
 
+    per_sample_tables = tuple(f'{name}_{side}' for side in ('image', 'text') for name in ('tau', 'exp_avg',
+                                                                                           'exp_avg_sq'))
+
     def __init__(self, num_samples: int, tau_init: float, tau_min: float, tau_max: float, lr: float,
-                 beta1: float, beta2: float, eps: float, world_size: int = 1):
+                 beta1: float, beta2: float, eps: float, world_size: int = 1,
+                 sharding: Optional[SampleSharding] = None):
         super().__init__()
         if num_samples <= 0:
             raise ValueError(f"per-sample temperatures need the dataset size, got num_samples={num_samples}")
@@ -40,27 +46,33 @@ class PerSampleTemperature(nn.Module):
         if lr < 0 or eps <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1):
             raise ValueError(f"the per-sample Adam needs lr ≥ 0, eps > 0 and betas in [0, 1), got lr={lr}, "
                              f"eps={eps}, betas=({beta1}, {beta2})")
+        self.sharding = sharding if sharding is not None else SampleSharding(num_samples, world_size=world_size)
+        if self.sharding.num_samples != num_samples:
+            raise ValueError(f"the sharding covers {self.sharding.num_samples} samples, the tables {num_samples}")
         self.tau_min, self.tau_max, self.lr = tau_min, tau_max, lr
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
-        self.world_size = world_size
+        self.world_size = self.sharding.world_size
         for side in ('image', 'text'):
-            self.register_buffer(f'tau_{side}', torch.full((num_samples,), float(tau_init)))
-            self.register_buffer(f'exp_avg_{side}', torch.full((num_samples,), float('nan')))
-            self.register_buffer(f'exp_avg_sq_{side}', torch.full((num_samples,), float('nan')))
-        self._rows = None  # (index, τ_image rows, τ_text rows) handed out by the last forward
+            self.register_buffer(f'tau_{side}', self.sharding.table(tau_init))
+            self.register_buffer(f'exp_avg_{side}', self.sharding.table(float('nan')))
+            self.register_buffer(f'exp_avg_sq_{side}', self.sharding.table(float('nan')))
+        self._rows = None  # (index, τ_image rows, τ_text rows, the rows of m and v) handed out by the last forward
+
+    def _tables(self):
+        return [getattr(self, name) for name in self.per_sample_tables]
 
     def forward(self, index=None, **_):
         if index is None:
             raise ValueError("per-sample temperatures need the batch's sample `index`")
-        check_index(index, self.tau_image.numel())
-        rows = index.to(self.tau_image.device)
+        # τ, m and v of the batch's rows in one read (one exchange when sharded); m and v are used in step()
+        tau_image, m_image, v_image, tau_text, m_text, v_text = self.sharding.read(self._tables(), index)
         # leaves: the loss's gradient wrt them is G, read in step()
-        self._rows = (index, self.tau_image[rows].requires_grad_(), self.tau_text[rows].requires_grad_())
+        self._rows = (index, tau_image.clone().requires_grad_(), tau_text.clone().requires_grad_(),
+                      (m_image, v_image), (m_text, v_text))
         return self._rows[1], self._rows[2]
 
-    def _adam(self, side, rows, tau, grad):
-        m_old = getattr(self, f'exp_avg_{side}')[rows].to(grad)
-        v_old = getattr(self, f'exp_avg_sq_{side}')[rows].to(grad)
+    def _adam(self, moments, tau, grad):
+        m_old, v_old = (x.to(grad) for x in moments)
         m = torch.where(torch.isnan(m_old), grad, self.beta1 * m_old + (1 - self.beta1) * grad)
         v = torch.where(torch.isnan(v_old), grad ** 2, self.beta2 * v_old + (1 - self.beta2) * grad ** 2)
         tau = (tau.to(grad) - self.lr * m / (v.sqrt() + self.eps)).clamp(self.tau_min, self.tau_max)
@@ -71,14 +83,11 @@ class PerSampleTemperature(nn.Module):
         if not objective.requires_grad:
             raise RuntimeError("per-sample temperatures learn from the loss's gradient: call the loss with "
                                "gradients enabled")
-        index, tau_image, tau_text = self._rows
+        index, tau_image, tau_text, moments_image, moments_text = self._rows
         grads = torch.autograd.grad(objective.sum(), (tau_image, tau_text), retain_graph=True)
         with torch.no_grad():
-            rows = index.to(self.tau_image.device)
-            new = self._adam('image', rows, tau_image, grads[0]) + self._adam('text', rows, tau_text, grads[1])
-            tables = [getattr(self, f'{name}_{side}') for side in ('image', 'text')
-                      for name in ('tau', 'exp_avg', 'exp_avg_sq')]
-            write_rows(tables, index, new, self.world_size)
+            new = self._adam(moments_image, tau_image, grads[0]) + self._adam(moments_text, tau_text, grads[1])
+            self.sharding.write(self._tables(), index, new)
         self._rows = None
 
 
