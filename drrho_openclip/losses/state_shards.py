@@ -85,7 +85,8 @@ def save_state_shards(loss, directory) -> dict:
             written = sorted(p.name for p in staging.iterdir())
             expected = sorted(shard_file_name(r, world_size) for r in range(world_size))
             if written != expected:
-                raise RuntimeError(f"'{staging}' holds {written}, expected {expected}")
+                raise RuntimeError(f"'{staging}' holds {written}, expected {expected} (every rank must see the "
+                                   f"checkpoint directory: a shared file system)")
             if directory.exists():
                 shutil.rmtree(directory)
             os.replace(staging, directory)

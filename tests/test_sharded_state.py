@@ -1,0 +1,345 @@
+"""Sharded per-sample state (`--state-layout sharded`): each rank holds a block of ⌈N/W⌉ rows of u and of the
+per-sample τ tables, exchanged with batch-sized collectives, and saved as per-rank shard files next to OpenCLIP's
+checkpoints; a shard set written by W ranks is read back by any other number of ranks.
+
+Loss level (2 gloo processes): sharded = replicated = one process over several steps; the blocks' sizes; a set
+saved by 2 ranks read by 1 and 3 ranks, and by either layout. End to end through OpenCLIP: 2-rank sharded
+training, a killed run resumed exactly, a 2-rank checkpoint resumed with 1 rank, a missing shard named."""
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from conftest import run_openclip, train_args
+from drrho_openclip.losses import create_loss
+from drrho_openclip.losses.core import AUTO_SHARD_FROM_SAMPLES, per_sample_tables
+from drrho_openclip.losses.state_shards import load_state_shards, save_state_shards, shard_file_name
+
+N = 23  # blocks of 12 + 11 rows over 2 ranks, 8 + 8 + 7 over 3
+GLOBAL_BATCH = 12
+SCENARIOS = {
+    # (loss, options, epochs of the steps): γ < 1 from epoch 1 on, rows revisited (12 of 23 per step)
+    'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05), (0, 1, 1, 2)),
+    'isogclr': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01), (0, 1, 1, 2)),
+    'isogclr-tau-only': ('isogclr', dict(gamma=1.0, lr_tau=0.01), (0, 1, 1)),  # per-sample τ, no u
+}
+TABLE_TOL = dict(equal_nan=True, rtol=1e-7, atol=1e-9)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    image, text = (F.normalize(torch.randn(GLOBAL_BATCH, 5, generator=g, dtype=torch.float64), dim=1)
+                   for _ in range(2))
+    ref_image = F.normalize(image[:, :4] + 0.5 * torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=torch.float64), dim=1)
+    ref_text = F.normalize(text[:, :4] + 0.5 * torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=torch.float64), dim=1)
+    return image, text, ref_image, ref_text, torch.randperm(N, generator=g)[:GLOBAL_BATCH]
+
+
+def build(scenario, rank=0, world_size=1, layout='auto'):
+    name, options, _ = SCENARIOS[scenario]
+    return create_loss(name, num_samples=N, rank=rank, world_size=world_size, state_layout=layout,
+                       **options).double()
+
+
+def train(loss, scenario, rank, world_size, steps):
+    """Each step's loss value (the mean over ranks) and this rank's feature gradients."""
+    rows = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+    out = []
+    for step, epoch in steps:
+        loss.set_epoch(epoch)
+        image, text, ref_image, ref_text, index = batch(step)
+        image, text = image[rows].clone().requires_grad_(), text[rows].clone().requires_grad_()
+        value = loss(image, text, torch.tensor(15.0, dtype=torch.float64), index=index[rows],
+                     ref_image_features=ref_image[rows], ref_text_features=ref_text[rows])
+        grads = torch.autograd.grad(value, [image, text])
+        value = value.detach().clone()
+        if world_size > 1:  # the mean over ranks' anchors
+            dist.all_reduce(value)
+            value /= world_size
+        out.append([value, *grads])
+    return out
+
+
+def tables(loss):
+    return {key: getattr(module, key.rsplit('.', 1)[-1]).clone()
+            for key, (module, _) in per_sample_tables(loss).items()}
+
+
+def first_steps(scenario):
+    return list(enumerate(SCENARIOS[scenario][2]))
+
+
+def worker(rank, world_size, store, out_dir):
+    """Train with both layouts; save the sharded loss's shard set, and the replicated loss's whole state_dict."""
+    dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    out_dir, results = Path(out_dir), {}
+    for scenario in SCENARIOS:
+        for layout in ('replicated', 'sharded'):
+            loss = build(scenario, rank, world_size, layout)
+            steps = train(loss, scenario, rank, world_size, first_steps(scenario))
+            results[scenario, layout] = dict(steps=steps, tables=tables(loss),
+                                             block=(loss.sharding.start, loss.sharding.stop))
+            if layout == 'sharded':
+                results[scenario, 'manifest'] = save_state_shards(loss, out_dir / f'{scenario}.loss_state')
+            elif rank == 0:
+                torch.save(loss.state_dict(), out_dir / f'{scenario}.replicated.pt')
+    torch.save(results, out_dir / f'rank{rank}.pt')
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope='module')
+def ranks(tmp_path_factory):
+    """What each of 2 gloo ranks computed and saved."""
+    out_dir = tmp_path_factory.mktemp('sharded')
+    mp.spawn(worker, args=(2, str(out_dir / 'store'), str(out_dir)), nprocs=2, join=True)
+    return {2: [torch.load(out_dir / f'rank{r}.pt') for r in range(2)], 'dir': out_dir}
+
+
+def concatenated(per_rank, scenario, source):
+    blocks = [r[scenario, source] for r in per_rank]
+    assert [b['block'] for b in blocks] == sorted(b['block'] for b in blocks)
+    return {key: torch.cat([b['tables'][key] for b in blocks]) for key in blocks[0]['tables']}
+
+
+@pytest.mark.parametrize('scenario', list(SCENARIOS))
+def test_sharded_equals_replicated_equals_one_process(ranks, scenario):
+    single = build(scenario)
+    want_steps = train(single, scenario, 0, 1, first_steps(scenario))
+    want_tables = tables(single)
+    assert all(t.numel() == N for t in want_tables.values())
+    for layout in ('replicated', 'sharded'):
+        for rank, results in enumerate(ranks[2]):
+            rows = slice(rank * GLOBAL_BATCH // 2, (rank + 1) * GLOBAL_BATCH // 2)
+            for got, want in zip(results[scenario, layout]['steps'], want_steps):
+                torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=1e-12)
+                torch.testing.assert_close(got[1], 2 * want[1][rows], rtol=1e-9, atol=1e-12)
+                torch.testing.assert_close(got[2], 2 * want[2][rows], rtol=1e-9, atol=1e-12)
+    for rank, results in enumerate(ranks[2]):  # the replicated tables are whole on every rank
+        for key, value in want_tables.items():
+            torch.testing.assert_close(results[scenario, 'replicated']['tables'][key], value, **TABLE_TOL)
+    sharded = concatenated(ranks[2], scenario, 'sharded')
+    assert sharded.keys() == want_tables.keys()
+    for key, value in want_tables.items():
+        torch.testing.assert_close(sharded[key], value, **TABLE_TOL)
+    assert any(torch.isnan(v).any() for v in want_tables.values()) or scenario == 'isogclr-tau-only'
+
+
+def test_each_rank_holds_its_block_only(ranks):
+    for rank, results in enumerate(ranks[2]):
+        for scenario in SCENARIOS:
+            got = results[scenario, 'sharded']
+            assert got['block'] == [(0, 12), (12, 23)][rank]
+            assert {t.numel() for t in got['tables'].values()} == {[12, 11][rank]}
+            assert {t.numel() for t in results[scenario, 'replicated']['tables'].values()} == {N}
+    files = sorted(p.name for p in (ranks['dir'] / 'isogclr.loss_state').iterdir())
+    assert files == [shard_file_name(0, 2), shard_file_name(1, 2)]  # complete, renamed into place
+
+
+@pytest.mark.parametrize('scenario', list(SCENARIOS))
+def test_two_rank_set_reads_back_with_one_and_three_ranks(ranks, scenario):
+    """Reading needs no collectives: the ranks of 1- and 3-rank jobs are built side by side in this process."""
+    saved = concatenated(ranks[2], scenario, 'sharded')
+    manifest = ranks[2][0][scenario, 'manifest']
+    shards = ranks['dir'] / f'{scenario}.loss_state'
+    replicated = torch.load(ranks['dir'] / f'{scenario}.replicated.pt')
+    for world_size, layout, blocks in ((1, 'replicated', [(0, 23)]), (1, 'sharded', [(0, 23)]),
+                                       (3, 'sharded', [(0, 8), (8, 16), (16, 23)]),
+                                       (3, 'replicated', [(0, 23)] * 3)):
+        for source in ('shards', 'replicated tables'):
+            for rank, (start, stop) in enumerate(blocks):
+                loss = build(scenario, rank, world_size, layout)
+                loss.load_state_dict(load_state_shards(loss, shards, manifest) if source == 'shards' else replicated)
+                assert (loss.sharding.start, loss.sharding.stop) == (start, stop)
+                for key, value in tables(loss).items():
+                    torch.testing.assert_close(value, saved[key][start:stop], equal_nan=True, rtol=0, atol=0)
+    # and a sharded loss's own state_dict (its block) goes back into the same rank
+    loss = build(scenario, 1, 2, 'sharded')
+    loss.load_state_dict({key: value[12:] for key, value in saved.items()})
+    for key, value in tables(loss).items():
+        torch.testing.assert_close(value, saved[key][12:], equal_nan=True, rtol=0, atol=0)
+
+
+def test_incomplete_or_foreign_shard_sets_are_named(ranks, tmp_path):
+    import shutil
+    manifest = ranks[2][0]['isogclr', 'manifest']
+    one = build('isogclr')
+    broken = tmp_path / 'isogclr.loss_state'
+    shutil.copytree(ranks['dir'] / 'isogclr.loss_state', broken)
+    (broken / shard_file_name(1, 2)).unlink()
+    with pytest.raises(RuntimeError, match=f"shard '{broken / shard_file_name(1, 2)}' is missing"):
+        load_state_shards(one, broken, manifest)
+    shutil.copy(ranks['dir'] / 'drrho.loss_state' / shard_file_name(1, 2), broken / shard_file_name(1, 2))
+    with pytest.raises(RuntimeError, match=rf"shard '{broken / shard_file_name(1, 2)}' does not belong.*save_id"):
+        load_state_shards(one, broken, manifest)
+    (broken / shard_file_name(1, 2)).write_bytes(b'truncated')
+    with pytest.raises(RuntimeError, match=f"shard '{broken / shard_file_name(1, 2)}' cannot be read"):
+        load_state_shards(one, broken, manifest)
+    with pytest.raises(RuntimeError, match="directory .* is missing"):
+        load_state_shards(one, tmp_path / 'nowhere', manifest)
+    with pytest.raises(RuntimeError, match='holds no per-sample state'):  # drrho's set has no τ tables
+        load_state_shards(one, ranks['dir'] / 'drrho.loss_state', ranks[2][0]['drrho', 'manifest'])
+
+
+def test_layout_option():
+    assert build('drrho').sharding.layout == 'replicated'  # one rank: one block either way
+    big = create_loss('sogclr', num_samples=AUTO_SHARD_FROM_SAMPLES, rank=1, world_size=2)
+    assert big.sharding.sharded and big.state.log_u_image.numel() == AUTO_SHARD_FROM_SAMPLES // 2
+    small = create_loss('sogclr', num_samples=AUTO_SHARD_FROM_SAMPLES - 1, rank=1, world_size=2)
+    assert not small.sharding.sharded and small.state.log_u_image.numel() == AUTO_SHARD_FROM_SAMPLES - 1
+    with pytest.raises(ValueError, match='nothing to lay out'):
+        create_loss('drrho', num_samples=N, gamma=1.0, state_layout='sharded')
+    with pytest.raises(ValueError, match='state_layout must be one of'):
+        create_loss('drrho', num_samples=N, state_layout='striped')
+    with pytest.raises(ValueError, match='no option state_layout'):
+        create_loss('jest', state_layout='sharded')
+
+
+def test_flag_is_rejected_where_there_are_no_tables(capsys):
+    from open_clip_train.params import parse_args
+    assert parse_args(['--loss', 'isogclr', '--gamma', '1', '--state-layout', 'sharded']).state_layout == 'sharded'
+    assert parse_args(['--loss', 'sogclr']).state_layout == 'auto'
+    for argv, message in ((['--loss', 'clip', '--state-layout', 'sharded'], '--state-layout: no such option'),
+                          (['--loss', 'drrho', '--ref-model', 'RN50', '--gamma', '1', '--state-layout', 'replicated'],
+                           'nothing to lay out'),
+                          (['--loss', 'sogclr', '--state-layout', 'striped'], 'invalid choice')):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end through OpenCLIP: checkpoints/epoch_N.pt + checkpoints/epoch_N.loss_state/rank-R-of-W.shard
+
+ISOGCLR = ('--loss', 'isogclr', '--gamma', '0.5', '--lr-tau', '0.01', '--state-layout', 'sharded')
+# plain SGD, no weight decay: one rank and two ranks with the same global batch then train alike (see
+# test_openclip_training.py)
+SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
+TWO_RANKS = ('--local-loss', '--gather-with-grad')
+
+
+def saved_tables(checkpoint_file):
+    """The whole per-sample tables of a checkpoint: in it (one rank), or assembled from its shard set."""
+    from drrho_openclip.plugin import SHARDS_KEY
+    state = torch.load(checkpoint_file, map_location='cpu')['loss_state']
+    if SHARDS_KEY not in state:
+        return state
+    manifest = state[SHARDS_KEY]
+    directory = Path(checkpoint_file).parent / manifest['directory']
+    shards = [torch.load(directory / shard_file_name(r, manifest['world_size'])) for r in
+              range(manifest['world_size'])]
+    assert all(s['save_id'] == manifest['save_id'] for s in shards)
+    return {key: torch.cat([s['tables'][key] for s in shards]) for key in manifest['tables']}
+
+
+@pytest.fixture(scope='module')
+def two_rank_run(shapes, tmp_path_factory):
+    logs = tmp_path_factory.mktemp('sharded_runs')
+    run_openclip(train_args(shapes, logs, 'full', *ISOGCLR, *SGD, *TWO_RANKS, '--save-most-recent', batch_size=4,
+                            epochs=2), nproc=2)
+    return logs
+
+
+def test_two_ranks_save_shard_sets_next_to_the_checkpoints(two_rank_run):
+    from drrho_openclip.plugin import SHARDS_KEY
+    root = two_rank_run / 'full' / 'checkpoints'
+    files = sorted(str(p.relative_to(root)) for p in root.rglob('*') if p.is_file())
+    assert files == ['epoch_1.loss_state/rank-0-of-2.shard', 'epoch_1.loss_state/rank-1-of-2.shard', 'epoch_1.pt',
+                     'epoch_2.loss_state/rank-0-of-2.shard', 'epoch_2.loss_state/rank-1-of-2.shard', 'epoch_2.pt',
+                     'epoch_latest.pt']
+    assert sorted(p.name for p in root.glob('**/*.pt')) == ['epoch_1.pt', 'epoch_2.pt', 'epoch_latest.pt']
+    for name, epoch in (('epoch_2.pt', 2), ('epoch_latest.pt', 2), ('epoch_1.pt', 1)):
+        state = torch.load(root / name, map_location='cpu')['loss_state']
+        assert set(state) == {SHARDS_KEY} and state[SHARDS_KEY]['directory'] == f'epoch_{epoch}.loss_state'
+        assert state[SHARDS_KEY]['world_size'] == 2
+    shard = torch.load(root / 'epoch_2.loss_state' / 'rank-1-of-2.shard')
+    assert (shard['start'], shard['stop']) == (32, 64) and len(shard['tables']) == 8  # u, τ, m, v per modality
+    assert all(t.shape == (32,) for t in shard['tables'].values())
+    tables = saved_tables(root / 'epoch_2.pt')
+    assert all(torch.isfinite(t).all() for t in tables.values())  # every sample visited
+
+
+def test_killed_two_rank_run_resumes_exactly(shapes, two_rank_run):
+    from conftest import ENV, openclip_command
+    args = lambda *extra: train_args(shapes, two_rank_run, 'split', *ISOGCLR, *SGD, *TWO_RANKS, *extra,
+                                     batch_size=4, epochs=2)
+    process = subprocess.Popen(openclip_command(args(), nproc=2), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    first, second = (two_rank_run / 'split' / 'checkpoints' / f'epoch_{e}.pt' for e in (1, 2))
+    deadline = time.time() + 300
+    while not first.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers
+    process.wait()
+    assert first.exists()
+    second.unlink(missing_ok=True)  # had it got that far, resume from epoch 1 all the same
+    run_openclip(args('--resume', 'latest'), nproc=2)
+    a, b = (torch.load(two_rank_run / run / 'checkpoints' / 'epoch_2.pt', map_location='cpu') for run in
+            ('full', 'split'))
+    for key in a['state_dict']:
+        torch.testing.assert_close(a['state_dict'][key], b['state_dict'][key], rtol=0, atol=0)
+    want, got = (saved_tables(two_rank_run / run / 'checkpoints' / 'epoch_2.pt') for run in ('full', 'split'))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], equal_nan=True, rtol=0, atol=0)
+    leftovers = [p.name for p in (two_rank_run / 'split' / 'checkpoints').iterdir() if '.tmp' in p.name]
+    assert not leftovers
+
+
+def test_one_rank_resumes_a_two_rank_sharded_checkpoint(shapes, two_rank_run, tmp_path):
+    full = two_rank_run / 'full' / 'checkpoints'
+    run_openclip(train_args(shapes, tmp_path, 'one', *ISOGCLR, *SGD, '--resume', full / 'epoch_1.pt', batch_size=8,
+                            epochs=2))
+    one = torch.load(tmp_path / 'one' / 'checkpoints' / 'epoch_2.pt', map_location='cpu')
+    two = torch.load(full / 'epoch_2.pt', map_location='cpu')
+    for key, value in one['state_dict'].items():  # the same global batch: the same training
+        torch.testing.assert_close(value, two['state_dict']['module.' + key], rtol=1e-4, atol=1e-5)
+    assert set(one['loss_state']) == set(saved_tables(full / 'epoch_2.pt'))  # one rank: the tables in the file
+    for key, value in saved_tables(full / 'epoch_2.pt').items():
+        torch.testing.assert_close(one['loss_state'][key], value, equal_nan=True, rtol=1e-3, atol=1e-3)
+
+
+def test_missing_shard_stops_the_resume_and_names_the_file(shapes, two_rank_run, tmp_path):
+    import shutil
+    source = two_rank_run / 'full' / 'checkpoints'
+    copy = tmp_path / 'copy'
+    copy.mkdir()
+    shutil.copy(source / 'epoch_1.pt', copy / 'epoch_1.pt')
+    shutil.copytree(source / 'epoch_1.loss_state', copy / 'epoch_1.loss_state')
+    missing = copy / 'epoch_1.loss_state' / 'rank-1-of-2.shard'
+    missing.unlink()
+    result = run_openclip(train_args(shapes, tmp_path, 'resumed', *ISOGCLR, *SGD, '--resume', copy / 'epoch_1.pt',
+                                     epochs=2), check=False)
+    assert result.returncode != 0
+    assert f"per-sample state shard '{missing}' is missing" in result.stderr
+    assert f"cannot restore the loss state from checkpoint '{copy / 'epoch_1.pt'}'" in result.stderr
+    assert not (tmp_path / 'resumed' / 'checkpoints' / 'epoch_2.pt').exists()
+
+
+def test_shard_sets_of_deleted_checkpoints_are_removed(tmp_path):
+    from drrho_openclip.plugin import checkpoints_saved
+    root = tmp_path / 'checkpoints'
+    for name in ('epoch_1.loss_state', 'epoch_2.loss_state', 'epoch_3.loss_state', 'epoch_3.loss_state.tmp-ab12',
+                 'other.loss_state'):
+        (root / name).mkdir(parents=True)
+    for name in ('epoch_2.pt', 'epoch_3.pt'):  # epoch_1.pt deleted (--delete-previous-checkpoint)
+        (root / name).write_bytes(b'')
+    loss = SimpleNamespace(sharding=SimpleNamespace(sharded=True))
+    args = SimpleNamespace(rank=0, plugin_loss=loss, logs=str(tmp_path), checkpoint_path=str(root), epochs=5,
+                           save_frequency=1, save_most_recent=False)
+    checkpoints_saved(3, args)
+    assert sorted(p.name for p in root.iterdir()) == ['epoch_2.loss_state', 'epoch_2.pt', 'epoch_3.loss_state',
+                                                      'epoch_3.pt', 'other.loss_state']
+    args.save_most_recent, args.save_frequency = True, 0  # epoch_latest.pt refers to the newest set only
+    (root / 'epoch_4.loss_state').mkdir()
+    (root / 'epoch_2.pt').unlink()
+    checkpoints_saved(4, args)
+    assert sorted(p.name for p in root.iterdir()) == ['epoch_3.loss_state', 'epoch_3.pt', 'epoch_4.loss_state',
+                                                      'other.loss_state']
