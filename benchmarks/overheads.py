@@ -4,7 +4,9 @@
     python benchmarks/overheads.py --smoke         # tiny batches, two losses' memory, one training pair (seconds)
     python benchmarks/overheads.py --device cuda   # GPU: bf16 autocast, global batch 256 … 32768
 
-Writes `benchmarks/results/overheads[_smoke|_cuda].json` and `.md`.
+Writes `benchmarks/results/overheads[_smoke|_cuda].json` and `.md`. CPU measurements use `--threads` torch threads
+(default 1, in every measured process): on a shared, oversubscribed CPU, OpenMP's barriers stall small operations by
+whole scheduler time slices, which would swamp the differences measured here.
 
 1. Loss forward + backward, world size 1 (local batch = global batch), of every registered loss (`list_losses()`)
    and of `open_clip.loss.ClipLoss` (the yardstick; the registered `clip` is the same class, a sanity check),

@@ -154,13 +154,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('input', help='CSV or JSON of evaluated runs (see the module docstring)')
     p.add_argument('--methods', nargs='+', help='fit only these methods (default: all in the input)')
-    p.add_argument('--output', help='output path without suffix (default: benchmarks/results/scaling_law_<input>)')
+    p.add_argument('--output', help='output path without suffix (default: benchmarks/results/scaling_law/<input>)')
     args = p.parse_args(argv)
     rows = [r for r in read_rows(args.input) if not args.methods or r['method'] in args.methods]
     fits = fit_all(rows)
     if not fits:
         raise SystemExit('nothing to fit')
-    out = Path(args.output or Path(__file__).resolve().parent / 'results' / f'scaling_law_{Path(args.input).stem}')
+    out = Path(args.output or Path(__file__).resolve().parent / 'results' / 'scaling_law' / Path(args.input).stem)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix('.json').write_text(json.dumps(dict(input=str(args.input), fits=fits), indent=1))
     out.with_suffix('.md').write_text(markdown(fits, args.input))

@@ -40,7 +40,8 @@ class WithSampleExtras(Dataset):
 
     def __getitem__(self, index):
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index)
+            # the CPU generator only: torch.manual_seed would also queue the seeding of every accelerator, per sample
+            torch.default_generator.manual_seed((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index)
             image, text = self.dataset[index]
         return image, text, _extras(index, self.store)
 

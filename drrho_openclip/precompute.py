@@ -210,10 +210,11 @@ def _compute(args, shards, writer):
                                               batch_size=None, num_workers=args.workers)
     encoded = {}  # shard name -> its (keys, image features, text features) batches so far
     progress = tqdm(unit='sample', desc=f'part {args.part}/{args.num_parts}', dynamic_ncols=True)  # shows samples/s
-    start = time.perf_counter()
+    samples, start = 0, time.perf_counter()
     for name, keys, images, texts in batches:
         if keys is not None:
             encoded.setdefault(name, []).append((keys, *_encode(model, images, texts, args.device)))
+            samples += len(keys)  # counted here: a disabled progress bar counts nothing
             progress.update(len(keys))
             continue
         parts = encoded.pop(name, None)
@@ -223,7 +224,7 @@ def _compute(args, shards, writer):
                          np.concatenate([p[2] for p in parts]))
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
-    return progress.n, time.perf_counter() - start
+    return samples, time.perf_counter() - start
 
 
 def _finalize(writer, explicit: bool) -> int:
