@@ -1,7 +1,7 @@
 """Mini replication of the DRRho-CLIP paper's data-efficiency experiment (seed 001, §6.1) on real images, CPU, offline.
 
     python benchmarks/replication.py --quick     # Fashion-MNIST, every loss, 3 seeds: 7.3 CPU-minutes (~4 min on 2 idle cores)
-    python benchmarks/replication.py             # 8x the training per run (~30 min on 2 idle cores)
+    python benchmarks/replication.py             # 8x the training per run: 42 CPU-minutes (~25 min on 2 idle cores)
     python benchmarks/replication.py --train-data my/train.csv --ref-data my/ref.csv --test-data my/test.csv \
         --classes my/classes.json [--csv-img-key filepath --csv-caption-key title --csv-label-key label]
 
