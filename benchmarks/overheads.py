@@ -285,7 +285,7 @@ def markdown(report) -> str:
                          f"[{e['ratio'][1]:.2f}–{e['ratio'][2]:.2f}] | {mem} |")
     if s['training']:
         t = report['training_config']
-        lines += ['', f"## Training step: --loss drrho --ref-features vs --loss clip", '',
+        lines += ['', "## Training step: --loss drrho --ref-features vs --loss clip", '',
                   f"{t['model']}, batch {t['batch']}, {t['samples']} shapes per run, {t['repeats']} rounds of fresh "
                   f"processes alternating the two; {t['steps_per_config']} logged steps per configuration after "
                   f"dropping {WARMUP_STEPS} per run. Step = OpenCLIP's Batch (t) (includes data loading, workers "
@@ -357,7 +357,7 @@ def main(argv=None):
 
     print(f"[1/3] loss forward+backward time: {len(names)} losses x B {sizes}, d {dim}, {repeats} rounds", flush=True)
     loss_times = time_losses(names, sizes, dim, args.device, repeats)
-    print(f"[2/3] loss peak memory, one fresh process per configuration", flush=True)
+    print("[2/3] loss peak memory, one fresh process per configuration", flush=True)
     loss_memory, memory_method = {}, None
     for batch in memory_sizes:
         for name in memory_names:
@@ -377,7 +377,8 @@ def main(argv=None):
     summary = summarize(loss_times, loss_memory, training)
     report = dict(
         config=dict(device=args.device, cuda=cuda, dim=dim, sizes=sizes, repeats=repeats, memory_sizes=memory_sizes,
-                    device_name=torch.cuda.get_device_name() if cuda else f"CPU, {platform.processor() or platform.machine()}"),
+                    device_name=torch.cuda.get_device_name() if cuda else
+                    f"CPU, {platform.processor() or platform.machine()}"),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                 f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} (1 min) at the end",
         loss_memory_method=memory_method, training_memory_method=training.pop('memory_method'),

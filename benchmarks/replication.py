@@ -1,7 +1,7 @@
 """Mini replication of the DRRho-CLIP paper's data-efficiency experiment (seed 001, §6.1) on real images, CPU, offline.
 
-    python benchmarks/replication.py --quick     # Fashion-MNIST, every loss, 3 seeds: 7.3 CPU-minutes (~4 min on 2 idle cores)
-    python benchmarks/replication.py             # 8x the training per run: 42 CPU-minutes (~25 min on 2 idle cores)
+    python benchmarks/replication.py --quick   # Fashion-MNIST, all losses, 3 seeds: 6 CPU-min (~4 min on 2 idle cores)
+    python benchmarks/replication.py           # 8x the training per run: 42 CPU-minutes (~25 min on 2 idle cores)
     python benchmarks/replication.py --train-data my/train.csv --ref-data my/ref.csv --test-data my/test.csv \
         --classes my/classes.json [--csv-img-key filepath --csv-caption-key title --csv-label-key label]
 
@@ -83,7 +83,8 @@ FASHION_CLASSES = [
     ('ankle boot', ('ankle boot', 'boot', 'bootie'), ('heeled', 'leather', 'winter')),
 ]
 FASHION_TEMPLATES = ('a photo of a {}.', 'a product photo of a {}.')
-CAPTION_TEMPLATES = ('a photo of a {name}', 'a {tone} {desc} {name}', '{desc} {name}', 'a product photo of a {tone} {name}')
+CAPTION_TEMPLATES = ('a photo of a {name}', 'a {tone} {desc} {name}', '{desc} {name}',
+                     'a product photo of a {tone} {name}')
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -114,7 +115,8 @@ def fashion_caption(label: int, image: np.ndarray, rng: random.Random) -> str:
 
 def ensure_fashion_mnist() -> str:
     """'' when the Debian package's files are present (installing it if needed), else why they are not."""
-    if all((FASHION_DIR / f'{s}-{k}-ubyte.gz').exists() for s in ('train', 't10k') for k in ('images-idx3', 'labels-idx1')):
+    if all((FASHION_DIR / f'{s}-{k}-ubyte.gz').exists()
+           for s in ('train', 't10k') for k in ('images-idx3', 'labels-idx1')):
         return ''
     if not shutil.which('apt-get'):
         return 'apt-get is not available'
@@ -299,8 +301,9 @@ def per_sample_clip_loss(image_features, text_features, logit_scale: float, batc
     import torch
     import torch.nn.functional as F
     n = image_features.shape[0] // batch_size * batch_size
-    logits = logit_scale * torch.einsum('kid,kjd->kij', image_features[:n].view(-1, batch_size, image_features.shape[1]),
-                                        text_features[:n].view(-1, batch_size, text_features.shape[1]))
+    dim = image_features.shape[1]
+    logits = logit_scale * torch.einsum('kid,kjd->kij', image_features[:n].view(-1, batch_size, dim),
+                                        text_features[:n].view(-1, batch_size, dim))
     target = torch.arange(batch_size).expand(logits.shape[0], -1)
     image_to_text = F.cross_entropy(logits.transpose(1, 2), target, reduction='none')
     text_to_image = F.cross_entropy(logits, target, reduction='none')
@@ -463,7 +466,8 @@ def summarize(runs, losses):
                 entry['accuracy'] = mean_std([r['accuracy'] for r in done])
                 curves = np.array([[a for _, a in r['curve']] for r in done])
                 entry['curve'] = {'samples_seen': [s for s, _ in done[0]['curve']],
-                                  'mean': curves.mean(0).tolist(), 'std': curves.std(0, ddof=min(1, len(done) - 1)).tolist()}
+                                  'mean': curves.mean(0).tolist(),
+                                  'std': curves.std(0, ddof=min(1, len(done) - 1)).tolist()}
                 if 'variance' in done[0]:
                     entry['variance'] = {k: mean_std([r['variance'][k] for r in done]) for k in done[0]['variance']}
             table.setdefault(loss, {})[str(fraction)] = entry
@@ -479,7 +483,8 @@ def markdown(report) -> str:
     lines = [
         f"# Mini replication: data efficiency of every registered loss ({report['data']['name']})", '',
         f"Data: {report['data']['description']}. Model: {c['model_description']}. Zero-shot top-1 on "
-        f"{report['reference_test_images']} held-out test images ({c['num_classes']} classes, chance {100 / c['num_classes']:.0f}%). "
+        f"{report['reference_test_images']} held-out test images ({c['num_classes']} classes, "
+        f"chance {100 / c['num_classes']:.0f}%). "
         f"Every target sees the same {c['samples_seen']} samples (batch {c['batch_size']}, {c['epochs_at_100']} "
         f"epochs at 100% of {c['train_samples']} pairs, {c['epochs_at_100'] * 2} at 50%); seeds {c['seeds']}; "
         f"mean ± std over seeds (sample std). Reference: `--loss clip` on {c['ref_samples']} disjoint pairs, "
@@ -491,10 +496,10 @@ def markdown(report) -> str:
         cells = [fmt(e['accuracy']) if 'accuracy' in e else e.get('error', '?').split(':')[0]
                  for e in (per_fraction[str(f)] for f in FRACTIONS)]
         lines.append(f"| {loss} | {report['reference_use'][loss]} | " + ' | '.join(cells) + ' |')
-    lines += ['', f"## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
+    lines += ['', "## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
               f"Over the target's {c['variance_samples']} training pairs, per-sample mini-batch CLIP loss (batches of "
-              f"{c['batch_size']}, τ = {VARIANCE_TEMPERATURE} for both models). Var ℓ(θ,z) is the plain loss of the "
-              f"trained target; Var[ℓ(θ,z) − ℓ(θ_ref,z)] its RHO loss. The paper compares the plain loss of the "
+              f"{c['batch_size']}, τ = {VARIANCE_TEMPERATURE} for both models). Var ℓ(θ,z) is the plain loss of "
+              f"the trained target; Var[ℓ(θ,z) − ℓ(θ_ref,z)] its RHO loss. The paper compares the plain loss of the "
               f"model trained without a reference (clip, fastclip) with the RHO loss of the drrho model. "
               f"Mean ± std over seeds.", '',
               '| loss | Var ℓ image | Var ℓ text | Var (ℓ − ℓ_ref) image | Var (ℓ − ℓ_ref) text |',
@@ -555,7 +560,8 @@ def scaling_rows(report, gflops_per_sample: float):
     for loss, per_fraction in report['summary'].items():
         best = {}
         for entry in per_fraction.values():
-            for seen, accuracy in zip(entry.get('curve', {}).get('samples_seen', []), entry.get('curve', {}).get('mean', [])):
+            curve = entry.get('curve', {})
+            for seen, accuracy in zip(curve.get('samples_seen', []), curve.get('mean', [])):
                 best[seen] = min(best.get(seen, 1.0), 1.0 - accuracy)
         rows += [dict(method=loss, samples_seen=seen, gflops_per_sample=gflops_per_sample, error=round(error, 5))
                  for seen, error in sorted(best.items())]

@@ -105,7 +105,7 @@ def fit_all(rows) -> dict:
 
 
 def markdown(fits, source) -> str:
-    lines = [f"# Scaling law E = α·C^β per method", '',
+    lines = ["# Scaling law E = α·C^β per method", '',
              f"Input: `{source}`. C = training GFLOPs (per-sample forward+backward GFLOPs × samples seen), E = "
              f"zero-shot error; least squares of log E on log C. A lower (more negative) β is a better scaling law.",
              '', '| method | α | β | R² (log space) | points | C range (GFLOPs) |', '|---|---:|---:|---:|---:|---|']
