@@ -100,8 +100,8 @@ def check_prepared(data, n_ref, n_train, n_test, num_classes):
     return frames
 
 
-@pytest.mark.skipif(not replication.FASHION_DIR.is_dir(), reason='Debian dataset-fashion-mnist is not installed')
 def test_fashion_mnist_preparer_builds_csvs_and_class_list(tmp_path):
+    assert replication.ensure_fashion_mnist() == ''  # installs Debian's dataset-fashion-mnist where it is missing
     data = replication.prepare_fashion_mnist(tmp_path, n_ref=12, n_train=16, n_test=20)
     frames = check_prepared(data, 12, 16, 20, num_classes=10)
     assert frames['test']['label'].value_counts().tolist() == [2] * 10  # class-balanced test split
