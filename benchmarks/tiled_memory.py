@@ -8,8 +8,8 @@ Writes `benchmarks/results/tiled_memory[_quick].json` and `.md` (a table with th
 What is run: one training step's loss, world size 1 (local batch = global batch), unit-norm float32 features of
 dimension d with `requires_grad`, then `backward()`:
 - `untiled`: `create_loss('drrho', num_samples=B)` (τ = 0.01, reference features of dimension d, per-sample
-  state with γ = 0.5), the core's `log_mean_exp_rows`;
-- `tiled`:   the same loss with `loss.row_aggregate = make_tiled_row_aggregate(tile_size)`;
+  state with γ = 0.5), the core's `dense_aggregate`;
+- `tiled`:   the same loss with `loss.aggregate = make_tiled_aggregate(tile_size)`;
 - `clip`:    `open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True)` on the same features (no reference:
   it is the cost of the standard mini-batch loss, the usual yardstick).
 
@@ -74,7 +74,7 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads):
     if threads > 0:
         torch.set_num_threads(threads)
     from drrho_openclip.losses import create_loss
-    from drrho_openclip.losses.tiled import make_tiled_row_aggregate
+    from drrho_openclip.losses.tiled import make_tiled_aggregate
 
     torch.manual_seed(0)
 
@@ -94,7 +94,7 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads):
             return ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True, rank=0, world_size=1)
         loss = create_loss('drrho', num_samples=n, gamma=0.5).to(device)
         if impl == 'tiled':
-            loss.row_aggregate = make_tiled_row_aggregate(tile_size)
+            loss.aggregate = make_tiled_aggregate(tile_size)
         return loss
 
     def step(loss, image, text, ref_image, ref_text, index):

@@ -272,14 +272,14 @@ def test_stable_in_float32_at_tau_001(case, autocast):
 
 
 @pytest.mark.parametrize('case', ['adnce', 'isogclr', 'tempnet'])
-def test_tiled_row_aggregate_gives_the_same_loss(case):
+def test_tiled_aggregate_gives_the_same_loss(case):
     """ADNCE's row-normalised weights stream through the tiled aggregation, per-sample τ's autograd step runs
     through its backward: both give what the untiled core gives."""
-    from drrho_openclip.losses.tiled import make_tiled_row_aggregate
+    from drrho_openclip.losses.tiled import make_tiled_aggregate
     n = 10
     untiled = build(case, num_samples=n, **(dict(adnce_sigma=0.3) if case == 'adnce' else {}))
     tiled = copy.deepcopy(untiled)
-    tiled.row_aggregate = make_tiled_row_aggregate(3)
+    tiled.aggregate = make_tiled_aggregate(3)
     image, text, ref_image, ref_text = make_batch(4, n, dtype=torch.float64)
     results = []
     for loss in (untiled.eval(), tiled.eval()):

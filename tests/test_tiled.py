@@ -1,18 +1,30 @@
 """The tiled row aggregation equals the core's untiled one: values, gradients, and the DRO loss built on it."""
 import functools
+import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from drrho_openclip.losses import create_loss
-from drrho_openclip.losses.core import log_mean_exp_rows
+from drrho_openclip.losses.core import dense_aggregate, log_mean_exp_sim
 from drrho_openclip.losses.tiled import (
-    DEFAULT_TILE_SIZE, RowNormalizedLogWeight, make_tiled_row_aggregate, tiled_log_mean_exp_rows)
+    DEFAULT_TILE_SIZE, RowNormalizedLogWeight, make_tiled_aggregate, tiled_log_mean_exp_rows)
 
 B_ANCHORS, B_CANDIDATES, DIM, REF_DIM = 6, 17, 5, 4   # 17 is prime: only 1 and 17 divide it
 TILE_SIZES = [1, 3, 7, B_CANDIDATES, B_CANDIDATES + 5]
 OFFSETS = [0, 5, B_CANDIDATES - B_ANCHORS]          # the positive block at the start, straddling tiles, at the end
+
+
+def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
+                      negative_log_weight=None):
+    """The core's untiled computation for one direction, from the features."""
+    ref_sim = None if ref_anchors is None else ref_anchors @ ref_candidates.T
+    return log_mean_exp_sim(anchors @ candidates.T, offset, inv_tau, ref_sim, negative_log_weight)
+
+
+def tiled_rows(tile_size):
+    return functools.partial(tiled_log_mean_exp_rows, tile_size=tile_size)
 
 
 def _inputs(seed, inv_tau_kind, with_ref, b=B_ANCHORS, n=B_CANDIDATES, ref_grad=False):
@@ -58,7 +70,7 @@ def test_matches_untiled(tile_size, offset, inv_tau_kind, with_ref):
     anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(tile_size * 100 + offset, inv_tau_kind, with_ref)
     args = (anchors, candidates, offset, inv_tau, ref_a, ref_c, upstream)
     reference = _value_and_grads(log_mean_exp_rows, *args)
-    tiled = _value_and_grads(functools.partial(tiled_log_mean_exp_rows, tile_size=tile_size), *args)
+    tiled = _value_and_grads(tiled_rows(tile_size), *args)
     _assert_same(reference, tiled)
     # the gradients are not trivially zero (so the comparison means something)
     assert all(g.abs().max() > 1e-3 for g in reference[1])
@@ -73,7 +85,7 @@ def test_large_inverse_temperature_is_stable():
     inv_tau = torch.tensor(100.0, dtype=torch.float64, requires_grad=True)
     args = (anchors, candidates, 4, inv_tau, ref_a, ref_c, upstream)
     reference = _value_and_grads(log_mean_exp_rows, *args)
-    tiled = _value_and_grads(make_tiled_row_aggregate(4), *args)
+    tiled = _value_and_grads(tiled_rows(4), *args)
     assert reference[0].abs().max() > 50  # far outside exp's float range at these logits
     assert torch.isfinite(tiled[0]).all()
     _assert_same(reference, tiled)
@@ -84,7 +96,7 @@ def test_reference_gradients_when_required(tile_size):
     anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(3, 'per_row', True, ref_grad=True)
     args = (anchors, candidates, 2, inv_tau, ref_a, ref_c, upstream)
     reference = _value_and_grads(log_mean_exp_rows, *args)
-    tiled = _value_and_grads(make_tiled_row_aggregate(tile_size), *args)
+    tiled = _value_and_grads(tiled_rows(tile_size), *args)
     assert len(reference[1]) == 5
     _assert_same(reference, tiled)
 
@@ -102,6 +114,52 @@ def _constant_log_weight(sim, mask):
     return torch.tensor(0.25, dtype=sim.dtype)   # broadcast, not [b, T]
 
 
+def _formula_log_mean_exp(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, negative_log_weight):
+    """log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i + log w_ij), written out with autograd and a loop over the anchors."""
+    rows = []
+    for i in range(anchors.shape[0]):
+        pos = offset + i
+        ell = anchors[i] @ candidates.T - anchors[i] @ candidates[pos]
+        if ref_anchors is not None:
+            ell = ell - (ref_anchors[i] @ ref_candidates.T - ref_anchors[i] @ ref_candidates[pos])
+        inv = inv_tau if inv_tau.dim() == 0 else inv_tau[i]
+        terms = ell * inv
+        if negative_log_weight is not None:
+            mask = torch.zeros(1, candidates.shape[0], dtype=torch.bool)
+            mask[0, pos] = True
+            sim_row = (anchors[i] @ candidates.T).detach()[None]
+            terms = terms + negative_log_weight(sim_row, mask)[0].detach()
+        keep = torch.arange(candidates.shape[0]) != pos
+        rows.append(torch.logsumexp(terms[keep], 0) - math.log(candidates.shape[0] - 1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize('log_weight', [None, _elementwise_log_weight])
+@pytest.mark.parametrize('inv_tau_kind', ['scalar', 'per_row'])
+@pytest.mark.parametrize('offset', OFFSETS)
+def test_untiled_gradients_match_the_formula(offset, inv_tau_kind, log_weight):
+    """The untiled function's hand-written backward against autograd of the formula, reference gradients included."""
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(50 + offset, inv_tau_kind, True, ref_grad=True)
+    args = (anchors, candidates, offset, inv_tau, ref_a, ref_c, upstream, log_weight)
+    _assert_same(_value_and_grads(_formula_log_mean_exp, *args), _value_and_grads(log_mean_exp_rows, *args))
+
+
+def test_one_similarity_matrix_serves_both_directions():
+    """With the whole batch as anchors, both directions come from one product and equal separate computations."""
+    image, text, inv_tau, ref_image, ref_text, _ = _inputs(9, 'per_row', True, b=B_CANDIDATES)
+    inv_tau_text = (inv_tau.detach() * 0.7).requires_grad_()
+    reference = (ref_image, ref_text, ref_image, ref_text)
+    both = dense_aggregate(image, text, image, text, 0, inv_tau, inv_tau_text, reference)
+    apart = (log_mean_exp_rows(image, text, 0, inv_tau, ref_image, ref_text),
+             log_mean_exp_rows(text, image, 0, inv_tau_text, ref_text, ref_image))
+    weights = torch.randn(2, B_CANDIDATES, dtype=torch.float64)
+    wrt = (image, text, inv_tau, inv_tau_text)
+    grads_both = torch.autograd.grad((weights * torch.stack(both)).sum(), wrt)
+    grads_apart = torch.autograd.grad((weights * torch.stack(apart)).sum(), wrt)
+    for got, want in zip(both + grads_both, apart + grads_apart):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize('log_weight', [_elementwise_log_weight, _aliasing_log_weight, _constant_log_weight])
 @pytest.mark.parametrize('normalized', [False, True])
 @pytest.mark.parametrize('tile_size', [1, 3, 7, B_CANDIDATES + 1])
@@ -110,7 +168,7 @@ def test_negative_log_weight(tile_size, normalized, log_weight):
     anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(11 + tile_size, 'per_row', True)
     args = (anchors, candidates, 5, inv_tau, ref_a, ref_c, upstream, nlw)
     reference = _value_and_grads(log_mean_exp_rows, *args)
-    tiled = _value_and_grads(make_tiled_row_aggregate(tile_size), *args)
+    tiled = _value_and_grads(tiled_rows(tile_size), *args)
     _assert_same(reference, tiled)
     # the weights change the result (except a constant weight normalised away), so this is not the unweighted
     # case in disguise
@@ -187,7 +245,7 @@ def test_never_materialises_the_pairwise_matrix(normalized_weight):
     inv_tau = torch.full((b,), 3.0, dtype=torch.float64, requires_grad=True)
     nlw = RowNormalizedLogWeight(_elementwise_log_weight) if normalized_weight else None
     sizes = {}
-    for name, fn in [('untiled', log_mean_exp_rows), ('tiled', make_tiled_row_aggregate(tile))]:
+    for name, fn in [('untiled', log_mean_exp_rows), ('tiled', tiled_rows(tile))]:
         with _LargestTensor() as probe:
             fn(anchors, candidates, 0, inv_tau, ref_a, ref_c, nlw).sum().backward()
         sizes[name] = probe.largest
@@ -200,7 +258,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match='tile_size'):
         tiled_log_mean_exp_rows(anchors, candidates, 0, inv_tau, tile_size=0)
     with pytest.raises(ValueError, match='tile_size'):
-        make_tiled_row_aggregate(2.5)
+        make_tiled_aggregate(2.5)
     with pytest.raises(ValueError, match='outside'):
         tiled_log_mean_exp_rows(anchors, candidates, B_CANDIDATES - B_ANCHORS + 1, inv_tau, tile_size=4)
     with pytest.raises(ValueError, match='inv_tau'):
@@ -211,7 +269,7 @@ def test_rejects_bad_arguments():
 
 def test_default_tile_size_is_sane():
     assert isinstance(DEFAULT_TILE_SIZE, int) and DEFAULT_TILE_SIZE >= 1
-    assert make_tiled_row_aggregate().keywords['tile_size'] == DEFAULT_TILE_SIZE
+    assert make_tiled_aggregate().keywords['tile_size'] == DEFAULT_TILE_SIZE
 
 
 # ---- the DRO loss with the tiled aggregation plugged in -------------------------------------------------------
@@ -251,9 +309,9 @@ def test_dro_loss_with_tiled_aggregation(name, options, tile_size):
     for kind in ('untiled', 'tiled'):
         loss = create_loss(name, num_samples=NUM_SAMPLES, **options)
         if kind == 'tiled':
-            loss.row_aggregate = make_tiled_row_aggregate(tile_size)
+            loss.aggregate = make_tiled_aggregate(tile_size)
         losses[kind] = loss
-    assert losses['untiled'].row_aggregate is log_mean_exp_rows
+    assert losses['untiled'].aggregate is dense_aggregate
     with_ref = losses['untiled'].use_reference
 
     for step in range(4):

@@ -205,39 +205,100 @@ def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) ->
     return mask
 
 
-def pairwise_loss(anchors, candidates, offset, ref_anchors=None, ref_candidates=None):
-    """ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), a [b, B] matrix (the reference term only when given)."""
-    sim = anchors @ candidates.T
-    b = anchors.shape[0]
-    ell = sim - sim[:, offset:offset + b].diagonal()[:, None]
-    if ref_anchors is not None:
-        ref_sim = ref_anchors @ ref_candidates.T
-        ell = ell - (ref_sim - ref_sim[:, offset:offset + b].diagonal()[:, None])
-    return ell, sim
+class _LogMeanExpRows(torch.autograd.Function):
+    """log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i + log w_ij) from a [b, B] similarity block, with the gradient
+    written out by hand: autograd's version of the same expression keeps four b×B matrices for backward (the shifted
+    loss, the logits, the mask, the softmax), this keeps one (the logits) and builds the gradient in one more.
+
+    ∂ log g_i/∂s_ij = inv_tau_i p_ij (j ≠ i) and −inv_tau_i Σ_j p_ij at the positive (ℓ̂ subtracts s_ii from every
+    candidate), with p the softmax of row i over the negatives; the reference similarities get the negated gradient;
+    ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij.
+    """
+
+    @staticmethod
+    def forward(ctx, sim, ref_sim, inv_tau, log_w, offset):
+        ell = sim.diagonal(offset)[:, None]
+        if ref_sim is None:
+            logits = sim - ell
+        else:
+            logits = (sim - ref_sim).sub_(ell - ref_sim.diagonal(offset)[:, None])
+        inv_tau_col = inv_tau.reshape(-1, 1) if inv_tau.dim() else inv_tau
+        logits.mul_(inv_tau_col)
+        if log_w is not None:
+            logits.add_(log_w)
+        positives = logits.diagonal(offset)
+        positives.fill_(float('-inf'))
+        lse = torch.logsumexp(logits, dim=1)
+        positives.zero_()  # backward zeroes the positives' softmax weight; 0·(−inf) would give NaN in Σ_j p_ij·logit_ij
+        ctx.save_for_backward(logits, inv_tau, log_w, lse)
+        ctx.offset = offset
+        return lse - math.log(sim.shape[1] - 1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, inv_tau, log_w, lse = ctx.saved_tensors
+        need_sim, need_ref, need_tau = ctx.needs_input_grad[:3]
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
+        p = (logits - lse_safe).exp_()
+        p.diagonal(ctx.offset).zero_()
+        grad_tau = None
+        if need_tau:
+            # Σ_j p_ij ℓ̂_ij, with ℓ̂_ij = (logit_ij − log w_ij) / inv_tau_i
+            slope = torch.einsum('ij,ij->i', p, logits)
+            if log_w is not None:
+                slope -= torch.einsum('ij,ij->i', p, log_w.expand_as(p))
+            grad_rows = grad_out * slope / inv_tau
+            grad_tau = grad_rows.sum().reshape(inv_tau.shape) if inv_tau.numel() == 1 else grad_rows
+        if not (need_sim or need_ref):
+            return None, None, grad_tau, None, None
+        coef = (grad_out * inv_tau)[:, None]
+        positive_weight = p.sum(dim=1, keepdim=True)
+        grad_sim = p.mul_(coef)
+        grad_sim.diagonal(ctx.offset).copy_((-coef * positive_weight).squeeze(1))
+        return (grad_sim if need_sim else None, -grad_sim if need_ref else None, grad_tau, None, None)
 
 
-def log_mean_exp_rows(
-        anchors: torch.Tensor,
-        candidates: torch.Tensor,
+def log_mean_exp_sim(
+        sim: torch.Tensor,
         offset: int,
         inv_tau: torch.Tensor,
-        ref_anchors: Optional[torch.Tensor] = None,
-        ref_candidates: Optional[torch.Tensor] = None,
+        ref_sim: Optional[torch.Tensor] = None,
         negative_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]) for every anchor row, differentiable.
+    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]) for every row of a [b, B] similarity block
+    whose positives sit at column offset + i; ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), the reference term only
+    when `ref_sim` is given. Differentiable in `sim`, `ref_sim` and `inv_tau` (a scalar or a [b] tensor).
 
-    `inv_tau` is a scalar or a [b] tensor. `negative_log_weight(sim, positive_mask)` returns detached [b, B]
-    log-weights of the candidates (e.g. ADNCE); it sees the raw similarities.
+    `negative_log_weight(sim, positive_mask)` returns [b, B] log-weights of the candidates (e.g. ADNCE), constants of
+    the graph; it sees the raw similarities.
     """
-    ell, sim = pairwise_loss(anchors, candidates, offset, ref_anchors, ref_candidates)
-    inv_tau = inv_tau.reshape(-1, 1) if inv_tau.dim() else inv_tau
-    logits = ell * inv_tau
-    mask = positive_mask(anchors.shape[0], candidates.shape[0], offset, anchors.device)
+    inv_tau = torch.as_tensor(inv_tau, dtype=sim.dtype, device=sim.device)
+    log_w = None
     if negative_log_weight is not None:
-        logits = logits + negative_log_weight(sim.detach(), mask)
-    logits = logits.masked_fill(mask, float('-inf'))
-    return torch.logsumexp(logits, dim=1) - math.log(candidates.shape[0] - 1)
+        mask = positive_mask(sim.shape[0], sim.shape[1], offset, sim.device)
+        log_w = negative_log_weight(sim.detach(), mask).detach().to(sim.dtype)
+    return _LogMeanExpRows.apply(sim, ref_sim, inv_tau, log_w, offset)
+
+
+def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
+                    negative_log_weight=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(log g of the image anchors over the texts, log g of the text anchors over the images), holding b×B matrices.
+
+    `reference` is (ref_image, ref_text, all_ref_image, all_ref_text) or None. When the anchors are the whole batch
+    (one process) the text direction's similarities are the transpose of the image direction's: one matrix product
+    serves both, and backward sums both directions' gradients into it before the two products with the features.
+    """
+    whole_batch = image is all_image and text is all_text
+    sim_image = image @ all_text.T
+    sim_text = sim_image.T if whole_batch else text @ all_image.T
+    ref_sim_image = ref_sim_text = None
+    if reference is not None:
+        ref_image, ref_text, all_ref_image, all_ref_text = reference
+        ref_sim_image = ref_image @ all_ref_text.T
+        ref_sim_text = ref_sim_image.T if whole_batch else ref_text @ all_ref_image.T
+    return (log_mean_exp_sim(sim_image, offset, inv_tau_image, ref_sim_image, negative_log_weight),
+            log_mean_exp_sim(sim_text, offset, inv_tau_text, ref_sim_text, negative_log_weight))
 
 
 def gamma_at_epoch(epoch: int, gamma_min: float, decay_epochs: int) -> float:
@@ -353,7 +414,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             negative_log_weight=None,
             rank: int = 0,
             world_size: int = 1,
-            row_aggregate: Callable = log_mean_exp_rows,
+            aggregate: Callable = dense_aggregate,
             positive_in_denominator: bool = False,
             distill_weight: float = 0.0,
             teacher_logit_scale: float = 100.0,
@@ -373,7 +434,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.negative_log_weight = negative_log_weight
         self.rank = rank
         self.world_size = world_size
-        self.row_aggregate = row_aggregate
+        self.aggregate = aggregate
         self.positive_in_denominator = positive_in_denominator
         self.distill_weight = distill_weight
         self.teacher_logit_scale = teacher_logit_scale
@@ -455,11 +516,10 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             offset = self.rank * image_features.shape[0]
             log_eps = -math.log(all_text.shape[0] - 1) if self.positive_in_denominator else self.log_eps
             tau_image, tau_text = self._temperatures(logit_scale, index, image_features, text_features, accum_step)
-            shift = (ref_image, all_ref_text, ref_text, all_ref_image) if self.use_reference else (None,) * 4
-            log_g_image = self.row_aggregate(image_features, all_text, offset, 1.0 / tau_image,
-                                             shift[0], shift[1], self.negative_log_weight)
-            log_g_text = self.row_aggregate(text_features, all_image, offset, 1.0 / tau_text,
-                                            shift[2], shift[3], self.negative_log_weight)
+            reference = (ref_image, ref_text, all_ref_image, all_ref_text) if self.use_reference else None
+            log_g_image, log_g_text = self.aggregate(image_features, text_features, all_image, all_text, offset,
+                                                     1.0 / tau_image, 1.0 / tau_text, reference,
+                                                     self.negative_log_weight)
             log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
             per_anchor = (tau_image * sogclr_estimate(log_g_image, log_u_image, log_eps)
                           + tau_text * sogclr_estimate(log_g_text, log_u_text, log_eps)

@@ -7,7 +7,7 @@ from .core import (DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, 
 from .jest import JESTLoss
 from .registry import register_loss
 from .temperatures import PerSampleTemperature, TempNetTemperature
-from .tiled import make_tiled_row_aggregate
+from .tiled import make_tiled_aggregate
 
 # The options of a DRO loss with a global τ (the per-loss defaults below override them with the paper's values)
 DRO_OPTIONS = dict(
@@ -66,7 +66,7 @@ def _dro(o, use_reference, temperature=None, rho=None, sharding=None, **core_opt
     if o.tile_size < 0:
         raise ValueError(f"tile_size must be ≥ 0 (0: untiled), got {o.tile_size}")
     if o.tile_size:
-        core_options['row_aggregate'] = make_tiled_row_aggregate(o.tile_size)
+        core_options['aggregate'] = make_tiled_aggregate(o.tile_size)
     if sharding is None:
         sharding = _sharding(o)
     return DROContrastiveLoss(

@@ -1,7 +1,7 @@
-"""A tiled, memory-linear drop-in for the core's row aggregation `log_mean_exp_rows`.
+"""A tiled, memory-linear drop-in for the core's aggregation `dense_aggregate`.
 
-`core.log_mean_exp_rows` materialises several b×B matrices (similarities, the shifted loss, the logits, the
-softmax in backward), so the loss needs O(b·B) memory: at a global batch of 65 536 on one device that is 16 GiB per
+`core.dense_aggregate` materialises b×B matrices (the similarities, the logits, the gradient in backward), so the
+loss needs O(b·B) memory: at a global batch of 65 536 on one device that is 16 GiB per
 float32 matrix. The function here computes the same value and the same gradients while never holding more than a
 b×T block of any pairwise matrix (T = `tile_size` columns):
 
@@ -16,7 +16,7 @@ Memory is O((b + B)·d + b·T); the arithmetic is the untiled one plus one recom
 Use it with the core:
 
     loss = create_loss('drrho', num_samples=n)
-    loss.row_aggregate = make_tiled_row_aggregate(DEFAULT_TILE_SIZE)
+    loss.aggregate = make_tiled_aggregate(DEFAULT_TILE_SIZE)
 
 Negative log-weights (`negative_log_weight`, e.g. ADNCE-style hardness weights) are supported under a contract,
 since the full row never exists:
@@ -40,7 +40,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = [
-    'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_row_aggregate', 'tiled_log_mean_exp_rows',
+    'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_aggregate', 'tiled_aggregate', 'tiled_log_mean_exp_rows',
 ]
 
 # Columns per tile. Chosen with the tile-size sweep of `python benchmarks/tiled_memory.py` on the 2-core CPU (AMD EPYC,
@@ -52,7 +52,7 @@ __all__ = [
 # Small tiles pay a per-tile cost (~20 small kernels per tile, each an OpenMP region, which is what hurts on an
 # oversubscribed 2-core machine); beyond ~1024 columns time is flat while the b×T blocks (a few alive at once,
 # 4·b·T bytes each) keep growing. 1024 is the smallest tile on the time plateau. On a GPU, larger tiles (4096–8192)
-# keep kernels busier; the value is a per-run choice (`make_tiled_row_aggregate(tile_size)`), not part of the
+# keep kernels busier; the value is a per-run choice (`make_tiled_aggregate(tile_size)`), not part of the
 # loss's definition.
 DEFAULT_TILE_SIZE = 1024
 
@@ -262,10 +262,10 @@ def tiled_log_mean_exp_rows(
         *,
         tile_size: int = DEFAULT_TILE_SIZE,
 ) -> torch.Tensor:
-    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]), like `core.log_mean_exp_rows`, tiled.
-
-    Same arguments and result as the core's function, plus `tile_size`: the number of candidate columns processed
-    at a time, so no more than a [b, tile_size] block of a pairwise matrix is alive in forward or backward.
+    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]) of the anchors against the candidates (anchor
+    i's positive is candidate offset + i): `core.log_mean_exp_sim` of their similarities, tiled. `tile_size` is the
+    number of candidate columns processed at a time, so no more than a [b, tile_size] block of a pairwise matrix is
+    alive in forward or backward.
     Differentiable in `anchors`, `candidates`, `inv_tau` (0-dim, [1] or [b]) and the reference features.
     Computes in the dtype of `anchors` (the core hands float32). `negative_log_weight` must be row-separable per
     tile, or a `RowNormalizedLogWeight` (see the module docstring).
@@ -276,8 +276,18 @@ def tiled_log_mean_exp_rows(
                                       tile_size, negative_log_weight)
 
 
-def make_tiled_row_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
-    """A `row_aggregate` for `DROContrastiveLoss` (the core's signature) with the given tile size."""
+def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
+                    negative_log_weight=None, *, tile_size: int = DEFAULT_TILE_SIZE):
+    """`core.dense_aggregate`, both directions tiled."""
+    ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
+    return (tiled_log_mean_exp_rows(image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
+                                    negative_log_weight, tile_size=tile_size),
+            tiled_log_mean_exp_rows(text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
+                                    negative_log_weight, tile_size=tile_size))
+
+
+def make_tiled_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
+    """An `aggregate` for `DROContrastiveLoss` (the core's signature) with the given tile size."""
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"tile_size must be a positive int, got {tile_size!r}")
-    return functools.partial(tiled_log_mean_exp_rows, tile_size=tile_size)
+    return functools.partial(tiled_aggregate, tile_size=tile_size)
