@@ -17,8 +17,8 @@ that differs), packed into `--shards` WebDataset tar shards of `--samples-per-sh
 Model (`--model`): by default `small`, a local-dir CLIP config written next to the data (no weights, no download;
 randomly initialised weights cost the same as trained ones): 32 px images in 4 px patches (65 tokens), width 128,
 4 layers, 2 heads, for both towers, text context 32, embedding 64, about 8M parameters (6.3M of them the token
-embedding table). Chosen so that compute dominates a batch on a CPU (about 10x the CPU time of decoding, transforming and
-tokenising a sample) yet a pass over 2048 samples takes seconds. `tiny` is the demo's 3M-parameter config (2 layers,
+embedding table). Chosen so that compute dominates a batch on a CPU (about 10x the CPU time of decoding, transforming
+and tokenising a sample) yet a pass over 2048 samples takes seconds. `tiny` is the demo's 3M-parameter config (2 layers,
 width 64, 8 px patches), for which data loading costs as much as the model, so the ratio measures the loader rather
 than the encode loop. Any OpenCLIP model name works too (random init; e.g. ViT-B-32 with `--device cuda`).
 
@@ -337,10 +337,10 @@ def markdown(report):
         f"{pct(report['loop_share_outside_encode'])} % of the loop was spent outside "
         f"them (waiting for the loader, fetching and writing features).",
         '',
-        *([f"On a CPU the loader workers (decoding, transforming, tokenising) run on the cores the model runs on, so "
-           f"the encode calls slow down by the loader's share of the CPU; `--workers 0` loads in the encode loop's "
-           f"own process instead (compare `precompute_throughput_workers0.md`). On a GPU the model runs on the "
-           f"device and the 'loader only' row says whether the workers keep up.", ''] if c['device'] == 'cpu' else []),
+        *(["On a CPU the loader workers (decoding, transforming, tokenising) run on the cores the model runs on, so "
+           "the encode calls slow down by the loader's share of the CPU; `--workers 0` loads in the encode loop's "
+           "own process instead (compare `precompute_throughput_workers0.md`). On a GPU the model runs on the "
+           "device and the 'loader only' row says whether the workers keep up.", ''] if c['device'] == 'cpu' else []),
         f"Goal ≥ {report['goal']}× (encode loop): {'met' if report['meets_goal'] else 'NOT met'} "
         f"(median {report['ratio']['median']:.2f}×).", '']
     return '\n'.join(lines)

@@ -1,6 +1,6 @@
 """Mini replication of the DRRho-CLIP paper's data-efficiency experiment (seed 001, §6.1) on real images, CPU, offline.
 
-    python benchmarks/replication.py --quick   # Fashion-MNIST, all losses, 3 seeds: 6 CPU-min (~4 min on 2 idle cores)
+    python benchmarks/replication.py --quick   # Fashion-MNIST, all losses, 3 seeds: about 4 min on 2 cores
     python benchmarks/replication.py           # 8x the training per run: 42 CPU-minutes (~25 min on 2 idle cores)
     python benchmarks/replication.py --train-data my/train.csv --ref-data my/ref.csv --test-data my/test.csv \
         --classes my/classes.json [--csv-img-key filepath --csv-caption-key title --csv-label-key label]
@@ -45,6 +45,8 @@ import multiprocessing
 import os
 import platform
 import random
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -403,7 +405,9 @@ def parse_args(argv=None):
     p.add_argument('--csv-caption-key', default='title')
     p.add_argument('--csv-label-key', default='label')
     p.add_argument('--model', help="OpenCLIP model (default: the demo's tiny local-dir: config)")
-    p.add_argument('--losses', nargs='+', help='a subset of the registered losses (default: all)')
+    p.add_argument('--losses', nargs='+', metavar='LOSS',
+                   help="registered losses to train (default: all), each optionally with its own flags, quoted: "
+                        "--losses clip 'drrho --learn-temperature --temperature 0.07'")
     p.add_argument('--seeds', type=int, nargs='+', help='training seeds (default: 0 1 2)')
     p.add_argument('--train-samples', type=int, help='target split size used as 100%% (default: per mode)')
     p.add_argument('--epochs', type=int, help='epochs at 100%% of the data, a multiple of 3 (default: per mode)')
@@ -594,7 +598,7 @@ def main(argv=None):
     else:
         model = write_tiny_model(work / 'tiny_model')
         model_description = f"the demo's tiny CLIP ({json.dumps(TINY_MODEL['model_cfg'])})"
-    losses = args.losses or list_losses()
+    losses = args.losses or list_losses()  # labels: a loss name, optionally followed by its own flags
     train_full, ref_data = Dataset(data['train'], args), Dataset(data['ref'], args)
     quantum = 4 * args.batch_size  # 50%, 75% and 100% in whole batches
     size = len(train_full) // quantum * quantum if train_full.is_csv else len(train_full)
@@ -633,15 +637,17 @@ def main(argv=None):
     samples_seen = args.epochs * size
     tasks, reference_use = [], {}
     for loss in losses:
-        needs_ref = get_loss_spec(loss).reference == 'required'
-        reference_use[loss] = {'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[
-            get_loss_spec(loss).reference]
+        name_and_flags = shlex.split(loss)
+        spec = get_loss_spec(name_and_flags[0])
+        needs_ref = spec.reference == 'required'
+        reference_use[loss] = {'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[spec.reference]
+        run_label = re.sub(r'[^A-Za-z0-9.]+', '_', loss).strip('_')  # run and folder names
         for fraction in FRACTIONS:
             epochs = round(args.epochs / fraction)
             n = len(subsets[fraction])
             for seed in args.seeds:
-                name = f"{loss}-{round(fraction * 100):03d}-s{seed}"
-                extra = ['--loss', loss] + (['--ref-features', stores[fraction]] if needs_ref else [])
+                name = f"{run_label}-{round(fraction * 100):03d}-s{seed}"
+                extra = ['--loss', *name_and_flags] + (['--ref-features', stores[fraction]] if needs_ref else [])
                 tasks.append(dict(common, name=name, loss=loss, fraction=fraction, seed=seed, epochs=epochs,
                                   samples_per_epoch=n // args.batch_size * args.batch_size,
                                   reference=str(ref_checkpoint),

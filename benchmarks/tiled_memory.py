@@ -182,7 +182,7 @@ def fmt(x, spec='.2f'):
 def markdown(report):
     a = report['args']
     lines = [
-        f"# DRRho loss forward+backward: tiled vs untiled vs OpenCLIP ClipLoss",
+        "# DRRho loss forward+backward: tiled vs untiled vs OpenCLIP ClipLoss",
         '',
         f"d = {a['dim']}, float32, world size 1, device `{report['device']}` ({report['machine']}), "
         f"{report['threads']} threads, tile size {a['tile_size']}. "

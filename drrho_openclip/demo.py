@@ -4,7 +4,7 @@
 
 1. draws coloured shapes with compositional captions ("a small red circle on a light background") into three
    disjoint CSV splits: the reference model's training set, the target's training set and a test set;
-2. trains a tiny reference CLIP on its split with `--loss clip` (OpenCLIP's own training, through `open_clip_train.main`);
+2. trains a tiny reference CLIP on its split with `--loss clip` (OpenCLIP's own training, `open_clip_train.main`);
 3. precomputes the reference features of the target's training set (`drrho_openclip.precompute`);
 4. trains the target twice on its split: with `--loss drrho --ref-features ...`, and with `--loss clip` for comparison;
 5. prints the zero-shot top-1 accuracy of the three models on the test split (classes: colour × shape).

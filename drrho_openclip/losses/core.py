@@ -84,9 +84,9 @@ STATE_LAYOUTS = ('auto', 'replicated', 'sharded')
 # `--state-layout auto` shards the per-sample tables from this many samples on (with more than one rank).
 # From `benchmarks/state_memory.py` (2-core shared CPU, gloo, N = 1e6, global batch 1024; three runs): the sharded
 # u update took 3.5–5.1 ms per step vs 1.0–1.3 ms replicated (two more collectives; 1–2% of the loss step;
-# independent of N), while its tables take 1/W of the memory per rank. Below 2^22 samples a replicated table is ≤ 16 MiB per rank (u: 32 MiB,
-# isogclr's eight: 128 MiB), not worth the extra collectives, a second file set per checkpoint, and a coverage
-# metric of rank 0's block only; above, memory grows with N and sharding it pays.
+# independent of N), while its tables take 1/W of the memory per rank. Below 2^22 samples a replicated table is
+# ≤ 16 MiB per rank (u: 32 MiB, isogclr's eight: 128 MiB), not worth the extra collectives, a second file set per
+# checkpoint, and a coverage metric of rank 0's block only; above, memory grows with N and sharding it pays.
 AUTO_SHARD_FROM_SAMPLES = 1 << 22
 
 
