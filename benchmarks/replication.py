@@ -410,6 +410,10 @@ def parse_args(argv=None):
                         "--losses clip 'drrho --learn-temperature --temperature 0.07'")
     p.add_argument('--seeds', type=int, nargs='+', help='training seeds (default: 0 1 2)')
     p.add_argument('--train-samples', type=int, help='target split size used as 100%% (default: per mode)')
+    p.add_argument('--ref-samples', type=int,
+                   help="built-in data: the reference model's split size (default: per mode; larger gives a "
+                        "stronger reference)")
+    p.add_argument('--ref-epochs', type=int, help="the reference model's epochs (default: per mode)")
     p.add_argument('--epochs', type=int, help='epochs at 100%% of the data, a multiple of 3 (default: per mode)')
     p.add_argument('--batch-size', type=int)
     p.add_argument('--test-samples', type=int, help='test images evaluated, from the start (default: per mode)')
@@ -426,6 +430,8 @@ def parse_args(argv=None):
     args.batch_size = args.batch_size or preset['batch_size']
     args.train_samples = args.train_samples or preset['train']
     args.test_samples = args.test_samples or preset['test']
+    args.ref_samples = args.ref_samples or preset['ref']
+    args.ref_epochs = args.ref_epochs or preset['ref_epochs']
     args.preset = preset
     if args.epochs % 3:
         p.error('--epochs must be a multiple of 3 (75% of the data then runs 4/3 as many epochs)')
@@ -589,7 +595,7 @@ def main(argv=None):
                     classes=args.classes, description=f"own data: {args.train_data} (reference {args.ref_data}, "
                                                       f"test {args.test_data})")
     else:
-        data = prepare_data(args.data, work / 'data', preset['ref'], args.train_samples, args.test_samples)
+        data = prepare_data(args.data, work / 'data', args.ref_samples, args.train_samples, args.test_samples)
         data['description'] = ('Fashion-MNIST (Debian dataset-fashion-mnist), captions from class names, synonyms '
                                'and descriptions' if data['name'] == 'fashion-mnist' else
                                "the demo's drawn shapes (FALLBACK: Fashion-MNIST could not be installed)")
@@ -613,15 +619,15 @@ def main(argv=None):
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context('spawn'),
                                                   initializer=_worker_init, initargs=(str(logs / 'workers.txt'),))
 
-    print(f"[1/3] reference model: --loss clip on {len(ref_data)} pairs, {preset['ref_epochs']} epochs", flush=True)
+    print(f"[1/3] reference model: --loss clip on {len(ref_data)} pairs, {args.ref_epochs} epochs", flush=True)
     ref = pool.submit(run_task, dict(common, name='reference', loss='clip', fraction=None, seed=0,
-                                     epochs=preset['ref_epochs'], samples_per_epoch=len(ref_data) // args.batch_size
+                                     epochs=args.ref_epochs, samples_per_epoch=len(ref_data) // args.batch_size
                                      * args.batch_size, keep_checkpoints=True,
                                      argv=train_argv(model, ref_data, len(ref_data), logs, 'reference',
-                                                     preset['ref_epochs'], args, 0))).result()
+                                                     args.ref_epochs, args, 0))).result()
     if 'error' in ref:
         raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
-    ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{preset['ref_epochs']}.pt"
+    ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{args.ref_epochs}.pt"
     print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}; precomputing its features", flush=True)
     if train_full.is_csv:  # a store describes one CSV file row by row: one per subset
         stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in FRACTIONS}
@@ -671,7 +677,7 @@ def main(argv=None):
         data=dict(name=data['name'], description=data['description']),
         config=dict(model=model, model_description=model_description, train_samples=size,
                     ref_samples=len(ref_data), test_samples=args.test_samples, num_classes=len(classes['classnames']),
-                    batch_size=args.batch_size, epochs_at_100=args.epochs, ref_epochs=preset['ref_epochs'],
+                    batch_size=args.batch_size, epochs_at_100=args.epochs, ref_epochs=args.ref_epochs,
                     lr=preset['lr'], samples_seen=samples_seen, seeds=args.seeds, fractions=FRACTIONS,
                     variance_samples=size, variance_temperature=VARIANCE_TEMPERATURE, quick=args.quick),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end, "
