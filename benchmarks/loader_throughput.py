@@ -22,12 +22,11 @@ plugin wraps:
 - without: `--loss clip` (no plugin wrapping: OpenCLIP's stock CSV loader with a RandomSampler, or its WebDataset
   pipeline);
 - with: `--loss drrho --ref-features DIR` (the plugin's loaders: for CSV a seeded DistributedSampler and a dataset
-  whose augmentation is seeded per sample under `torch.random.fork_rng`, plus the sample index and the sample's
-  features from the store; for WebDataset the same pipeline plus a lookup by shard name and `__key__`);
-- diagnostic, CSV only, patched in this process: the plugin's loader with the per-sample seed set on the CPU
-  generator only (`torch.default_generator.manual_seed` instead of `torch.manual_seed`: the same augmentation, bit
-  for bit, without `torch.manual_seed`'s lazy CUDA/XPU/MPS seeding, which formats a stack trace per call when those
-  devices are not initialised), and with the seeding switched off altogether, to attribute its cost.
+  whose augmentation is seeded per sample under `torch.random.fork_rng` (the CPU generator only), plus the sample
+  index; for WebDataset the same pipeline plus a lookup of the index by shard name and `__key__`; both add the
+  batch's features from the store once it is collated, in the loader workers);
+- diagnostic, CSV only, patched in this process: the plugin's loader with the per-sample seeding switched off, to
+  attribute its cost.
 
 Each loader is iterated as `open_clip_train.train.train_one_epoch` does: `set_epoch(epoch)`, then every batch of
 `dataloader`, split into images, texts and extras and moved to the device (`.to(device, non_blocking=True)`). Same
@@ -36,9 +35,10 @@ CSV loaders start their workers every epoch, the WebDataset ones are persistent)
 then `--rounds` rounds, each one epoch of every loader in an order rotated from round to round. Ratio = with /
 without within the same round, median and [min, max] over rounds; samples/s are medians.
 
-Also measured in this process (one thread, median of 5 x `--micro` calls): the per-sample costs the plugin adds in a
-CSV worker (`fork_rng` + `manual_seed`; a store lookup) next to the cost of OpenCLIP's own per-sample work (PNG
-decode, training transform, tokenisation).
+Also measured in this process (one thread, median of 5 repeats of about `--micro` samples): the per-sample costs
+the plugin adds in a CSV worker (`fork_rng` + seeding; the store lookup of a batch's features and collation with
+the features vs without, both per sample) next to the cost of OpenCLIP's own per-sample work (PNG decode, training
+transform, tokenisation).
 
 Absolute numbers from a shared CPU are noisy; the ratios are the result.
 """
@@ -111,55 +111,48 @@ def run_epoch(info, epoch, device):
 
 
 def _no_seeding_getitem(self, index):
-    """WithSampleExtras.__getitem__ without the per-sample fork_rng + manual_seed (diagnostic only)."""
-    from drrho_openclip.data import _extras
+    """WithSampleExtras.__getitem__ without the per-sample fork_rng + seeding (diagnostic only)."""
     image, text = self.dataset[index]
-    return image, text, _extras(index, self.store)
+    return image, text, {'index': index}
 
 
-def _cpu_generator_seeding_getitem(self, index):
-    """WithSampleExtras.__getitem__ with the proposed fix: the same seed, set on the CPU generator only
-    (`torch.default_generator.manual_seed`, the one stream the transforms draw from) instead of `torch.manual_seed`,
-    which also queues lazy CUDA/XPU/MPS seeding that formats a stack trace on every call (diagnostic only)."""
+def micro_costs(csv_info, store_dir, calls, batch_size):
+    """Microseconds per sample (median of 5 repeats of about `calls` samples) of the per-sample work in a CSV
+    worker; the per-batch work is timed on batches of `batch_size` shuffled indices and divided by it."""
     import torch
-    from drrho_openclip.data import _extras
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index)
-        image, text = self.dataset[index]
-    return image, text, _extras(index, self.store)
-
-
-def micro_costs(csv_info, store_dir, calls):
-    """Per-call microseconds (median of 5 repeats) of the per-sample work in a CSV worker."""
-    import torch
-    from drrho_openclip.data import _extras
+    from torch.utils.data import default_collate
+    from drrho_openclip.data import CollateWithReferenceFeatures
     from drrho_openclip.features import FeatureStore
     dataset = csv_info.dataloader.dataset  # WithSampleExtras around OpenCLIP's CsvDataset
     store = FeatureStore.open(store_dir)
     n = len(dataset)
-
-    def seeding(i):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((0 * 1_000_003 + 0) * 2_147_483_647 + i)
+    batches = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:n // batch_size * batch_size]
+    batches = batches.view(-1, batch_size)
+    samples = [dataset[i] for i in batches[0].tolist()]  # one collated batch of real samples, over and over
+    collate = CollateWithReferenceFeatures(store)
 
     def cpu_seeding(i):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed((0 * 1_000_003 + 0) * 2_147_483_647 + i)
 
-    cases = {'OpenCLIP CsvDataset.__getitem__ (decode, transform, tokenise)': lambda i: dataset.dataset[i % n],
-             'plugin: fork_rng + torch.manual_seed (as shipped)': seeding,
-             'proposed: fork_rng + torch.default_generator.manual_seed': cpu_seeding,
-             'plugin: store lookup (features(index), float16 -> float32)': lambda i: store.features(i % n),
-             'plugin: all extras (index tensor + store lookup)': lambda i: _extras(i % n, store),
-             "plugin: whole WithSampleExtras.__getitem__": lambda i: dataset[i % n]}
+    cases = {'OpenCLIP CsvDataset.__getitem__ (decode, transform, tokenise)': (lambda i: dataset.dataset[i % n], 1),
+             'plugin: fork_rng + torch.default_generator.manual_seed': (cpu_seeding, 1),
+             'plugin: whole WithSampleExtras.__getitem__ (seeded sample and its index)': (lambda i: dataset[i % n], 1),
+             f'plugin: store lookup of a batch of {batch_size} (batch_features, float16 -> float32), per sample':
+                 (lambda i: store.batch_features(batches[i % len(batches)]), batch_size),
+             f'OpenCLIP default_collate of a batch of {batch_size}, per sample':
+                 (lambda i: default_collate(samples), batch_size),
+             f'plugin: collation with the reference features of a batch of {batch_size}, per sample':
+                 (lambda i: collate(samples), batch_size)}
     out = {}
-    for name, fn in cases.items():
+    for name, (fn, per_call) in cases.items():
+        count = max(10, calls // per_call)  # about `calls` samples per repeat, batches or not
         reps = []
         for _ in range(5):
             start = time.perf_counter()
-            for i in range(calls):
+            for i in range(count):
                 fn(i)
-            reps.append((time.perf_counter() - start) / calls * 1e6)
+            reps.append((time.perf_counter() - start) / (count * per_call) * 1e6)
         out[name] = statistics.median(reps)
     return out
 
@@ -233,14 +226,11 @@ def main(argv=None):
     from drrho_openclip.data import WithSampleExtras
     with_csv = configs[('csv', 'with (--loss drrho --ref-features)')]
     assert isinstance(with_csv.dataloader.dataset, WithSampleExtras)
-    for label, getitem in (('with, CPU-generator-only seeding (proposed fix, diagnostic)',
-                            _cpu_generator_seeding_getitem),
-                           ('with, per-sample seeding off (diagnostic)', _no_seeding_getitem)):
-        diagnostic = build_loader(inputs['csv'] + common + ['--loss', 'drrho', '--ref-features', stores['csv']],
-                                  fns, tokenizer)[0]
-        diagnostic.dataloader.dataset.__class__ = type('WithSampleExtrasDiagnostic', (WithSampleExtras,),
-                                                       {'__getitem__': getitem})
-        configs[('csv', label)] = diagnostic
+    diagnostic = build_loader(inputs['csv'] + common + ['--loss', 'drrho', '--ref-features', stores['csv']],
+                              fns, tokenizer)[0]
+    diagnostic.dataloader.dataset.__class__ = type('WithSampleExtrasDiagnostic', (WithSampleExtras,),
+                                                   {'__getitem__': _no_seeding_getitem})
+    configs[('csv', 'with, per-sample seeding off (diagnostic)')] = diagnostic
 
     load_before = os.getloadavg()[0]
     for name, info in configs.items():  # warm-up: page cache, persistent workers
@@ -254,7 +244,7 @@ def main(argv=None):
         print(f"round {r + 1}/{args.rounds}: " + ', '.join(
             f"{k}/{v.split(' (')[0]} {t[-1]['samples'] / t[-1]['seconds']:.0f}/s" for (k, v), t in times.items()),
             flush=True)
-    micro = micro_costs(with_csv, stores['csv'], args.micro)
+    micro = micro_costs(with_csv, stores['csv'], args.micro, args.batch_size)
     print('per-sample costs (us): ' + ', '.join(f'{k}: {v:.1f}' for k, v in micro.items()), flush=True)
 
     rate = lambda rec: rec['samples'] / rec['seconds']
@@ -305,7 +295,7 @@ def markdown(report):
             ratio = f"**{ratio}**"
         lines.append(f"| {r['input']} | {r['loader']} | {fmt(r['samples_per_s'], 0)} | {ratio} | "
                      f"{r['first_batch_s']['median']:.2f} |")
-    lines += ['', 'Per-sample costs in one process (µs per call, median of 5 repeats):', '',
+    lines += ['', 'Per-sample costs in one process (µs per sample, median of 5 repeats):', '',
               '| work | µs |', '|---|---:|']
     lines += [f"| {k} | {v:.1f} |" for k, v in report['micro_us'].items()]
     lines += ['', 'Goal ≥ {}× with features: '.format(report['goal']) + ', '.join(

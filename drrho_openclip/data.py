@@ -1,21 +1,14 @@
-"""Per-sample batch extras: each sample's dense index and, when a feature store is given, its reference features.
+"""Batch extras: each sample's dense index and, when a feature store is given, the batch's reference features.
 
 The training loop receives batches `(images, texts, extras)` where `extras` is a dict of batched tensors that is
-passed on to the loss as keywords (`index`, `ref_image_features`, `ref_text_features`).
+passed on to the loss as keywords (`index`, `ref_image_features`, `ref_text_features`). Only the index travels with
+each sample; the reference features are looked up once per batch, after collation (`CollateWithReferenceFeatures`):
+one read of each shard the batch touches, one decode and one finiteness check, instead of all three per sample.
 """
-import os
-
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from .features import FeatureStore, shard_name
-
-
-def _extras(index: int, store: FeatureStore = None) -> dict:
-    extras = {'index': torch.tensor(index, dtype=torch.long)}
-    if store is not None:
-        extras['ref_image_features'], extras['ref_text_features'] = store.features(index)
-    return extras
 
 
 class WithSampleExtras(Dataset):
@@ -26,14 +19,10 @@ class WithSampleExtras(Dataset):
     The epoch is read from the (distributed) sampler, which OpenCLIP sets before every epoch.
     """
 
-    def __init__(self, dataset, sampler, seed: int, store: FeatureStore = None):
-        if store is not None and store.num_samples != len(dataset):
-            raise ValueError(f"'{store.root}' holds {store.num_samples} reference features, the dataset has "
-                             f"{len(dataset)} samples")
+    def __init__(self, dataset, sampler, seed: int):
         self.dataset = dataset
         self.sampler = sampler
         self.seed = seed
-        self.store = store
 
     def __len__(self):
         return len(self.dataset)
@@ -43,11 +32,12 @@ class WithSampleExtras(Dataset):
             # the CPU generator only: torch.manual_seed would also queue the seeding of every accelerator, per sample
             torch.default_generator.manual_seed((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index)
             image, text = self.dataset[index]
-        return image, text, _extras(index, self.store)
+        return image, text, {'index': index}  # a plain int: collation makes the batch's int64 tensor
 
 
-class SampleExtrasFromKey:
-    """WebDataset stage: look a sample up by (shard file name, `__key__`) in the store and attach its extras."""
+class SampleIndexFromKey:
+    """WebDataset stage: a sample's dense index, looked up by (shard file name, `__key__`) in a store (with features
+    or keys only); without a store, no extras."""
 
     def __init__(self, store: FeatureStore = None):
         self.store = store
@@ -56,6 +46,20 @@ class SampleExtrasFromKey:
         if self.store is None:
             sample['extras'] = {}
         else:
-            index = self.store.index_of(shard_name(os.path.basename(sample['__url__'])), sample['__key__'])
-            sample['extras'] = _extras(index, self.store)
+            sample['extras'] = {'index': self.store.index_of(shard_name(sample['__url__']), sample['__key__'])}
         return sample
+
+
+class CollateWithReferenceFeatures:
+    """Collates `(image, text, {'index': i})` samples as `default_collate` does, then adds the reference features of
+    the batch's index from the store. A DataLoader's `collate_fn` or `wds.batched`'s `collation_fn`: it runs in the
+    loader workers."""
+
+    def __init__(self, store: FeatureStore):
+        self.store = store
+
+    def __call__(self, samples):
+        batch = default_collate(samples)
+        extras = batch[2]
+        extras['ref_image_features'], extras['ref_text_features'] = self.store.batch_features(extras['index'])
+        return batch

@@ -3,6 +3,7 @@
 Layout of a store directory:
 
     manifest.json              model, pretrained, dim, dtype and the ordered list of shards with their sample counts
+                               (a keys-only store: dtype null, dim 0, model and pretrained null)
     <shard>.features.npy       [n, 2, dim] array: [:, 0] image features, [:, 1] text features, in the store's dtype:
                                float16 (default), float32, or int8 (then scaled by the next file)
     <shard>.scales.npy         int8 stores only: [n, 2] float32, one scale per feature vector (feature = int8 * scale)
@@ -11,13 +12,15 @@ Layout of a store directory:
 A sample's dense index (the slot of its per-sample state) is its shard's offset plus its row in the shard, so it
 never depends on how keys are spelt. Readers always get float32.
 
+A keys-only store (precompute's `--keys-only`) holds the keys files alone: the dense index of WebDataset input for
+the losses that keep per-sample state but read no reference features (training's `--sample-index`).
+
 A store is written into `<root>.partial/`, where `partial.json` records the settings and the planned shards, so that
 several processes can write disjoint shards (precompute's `--num-parts`) and a killed run can resume. Every file is
 written under a temporary name (`*.tmp`) and renamed when complete, a shard's keys file last: a shard whose files
 are all there, with matching row counts, is finished. The manifest is written once every shard is, and only then is
 the directory moved to `root`: an interrupted precompute leaves no store that looks finished.
 """
-import bisect
 import json
 import os
 import shutil
@@ -54,9 +57,10 @@ def shard_name(source: str) -> str:
     return base.split('.')[0] if not base.startswith('.') else base
 
 
-def shard_files(name: str, dtype: str) -> List[str]:
-    """The files of a shard, in the order they are written (the keys file last)."""
-    return [name + '.features.npy'] + ([name + '.scales.npy'] if dtype == 'int8' else []) + [name + '.keys.npy']
+def shard_files(name: str, dtype: Optional[str]) -> List[str]:
+    """The files of a shard, in the order they are written (the keys file last); dtype None: a keys-only store."""
+    features = [] if dtype is None else [name + '.features.npy'] + ([name + '.scales.npy'] if dtype == 'int8' else [])
+    return features + [name + '.keys.npy']
 
 
 def encode(features: np.ndarray, dtype: str):
@@ -86,6 +90,15 @@ def _atomic_save(path: Path, array: np.ndarray):
     os.replace(tmp, path)
 
 
+def _describe(setting: str, value) -> str:
+    """A setting of a store's plan, as a message names it."""
+    if setting == 'shards':
+        return 'another list of shards'
+    if setting == 'dtype' and value is None:
+        return 'keys only'
+    return f"{setting} {value!r}"
+
+
 class FeatureStore:
     """Read access to a store directory; arrays are memory-mapped and opened lazily (also in loader workers)."""
 
@@ -95,6 +108,7 @@ class FeatureStore:
         self.pretrained = manifest.get('pretrained')
         self.dim = int(manifest['dim'])
         self.dtype = manifest['dtype']
+        self.keys_only = self.dtype is None
         self.shards: List[Shard] = []
         offset = 0
         for entry in manifest['shards']:
@@ -102,7 +116,7 @@ class FeatureStore:
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
-        self._offsets = [s.offset for s in self.shards]
+        self._offsets = np.array([s.offset for s in self.shards], dtype=np.int64)
 
     @classmethod
     def open(cls, root) -> 'FeatureStore':
@@ -117,8 +131,11 @@ class FeatureStore:
             manifest = json.loads(path.read_text())
             if manifest.get('format') != FORMAT_VERSION:
                 raise FeatureStoreError(f"'{path}': unsupported format {manifest.get('format')!r}")
-            if manifest['dtype'] not in DTYPES:
+            if manifest['dtype'] is not None and manifest['dtype'] not in DTYPES:
                 raise FeatureStoreError(f"'{path}': unsupported dtype {manifest['dtype']!r}")
+            if (manifest['dtype'] is None) != (manifest['dim'] == 0):
+                raise FeatureStoreError(f"'{path}': dtype {manifest['dtype']!r} with dim {manifest['dim']!r} (a "
+                                        f"keys-only store has dtype null and dim 0, a feature store both set)")
             store = cls(root, manifest)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise FeatureStoreError(f"'{path}' is corrupt: {e!r}") from e
@@ -132,7 +149,8 @@ class FeatureStore:
         try:
             return self._by_name[name]
         except KeyError:
-            raise FeatureStoreError(f"no reference features for shard '{name}' in '{self.root}' "
+            holds = 'sample keys' if self.keys_only else 'reference features'
+            raise FeatureStoreError(f"no {holds} for shard '{name}' in '{self.root}' "
                                     f"(it has {len(self.shards)} shards, e.g. '{self.shards[0].name}')") from None
 
     def _load(self, name: str, suffix: str, shape: tuple, dtype=None, mmap_mode='r') -> np.ndarray:
@@ -147,6 +165,11 @@ class FeatureStore:
         if dtype is not None and array.dtype != dtype:
             raise FeatureStoreError(f"shard '{name}': '{path}' holds {array.dtype}, the manifest says {self.dtype}")
         return array
+
+    def _require_features(self):
+        if self.keys_only:
+            raise FeatureStoreError(f"'{self.root}' is a keys-only store (a sample index, written with --keys-only): "
+                                    f"it holds no reference features")
 
     @lru_cache(maxsize=64)
     def _features(self, name: str) -> np.ndarray:
@@ -171,25 +194,44 @@ class FeatureStore:
         """Dense index of the sample `key` of shard `name`."""
         row = self._rows(name).get(str(key))
         if row is None:
-            raise FeatureStoreError(f"sample '{key}' of shard '{name}' has no reference features in '{self.root}'")
+            raise FeatureStoreError(f"sample '{key}' of shard '{name}' is not in '{self.root}'")
         return self.shard(name).offset + row
 
     def shard_features(self, name: str) -> np.ndarray:
         """All [n, 2, dim] features of a shard, as float32."""
+        self._require_features()
         return decode(self._features(name), self._scales(name))
 
     def features(self, index: int):
         """(image, text) reference features of a dense index, as float32 tensors."""
-        if not 0 <= index < self.num_samples:
-            raise FeatureStoreError(f"index {index} is outside '{self.root}' ({self.num_samples} samples)")
-        shard = self.shards[bisect.bisect_right(self._offsets, index) - 1]
-        row = index - shard.offset
-        scales = self._scales(shard.name)
-        pair = decode(self._features(shard.name)[row], None if scales is None else scales[row])
-        if not np.isfinite(pair).all():
-            raise FeatureStoreError(f"shard '{shard.name}', row {row}: non-finite features")
-        pair = torch.from_numpy(pair)
-        return pair[0], pair[1]
+        image, text = self.batch_features(torch.tensor([index]))
+        return image[0], text[0]
+
+    def batch_features(self, index: torch.Tensor):
+        """(image, text) reference features of a batch of dense indices ([n] integers): two [n, dim] float32 tensors.
+        Each shard the batch touches is read once (one fancy index of its memory map), then all are decoded at once."""
+        self._require_features()
+        index = np.asarray(index, dtype=np.int64)
+        outside = (index < 0) | (index >= self.num_samples)
+        if outside.any():
+            raise FeatureStoreError(f"index {index[outside][0]} is outside '{self.root}' ({self.num_samples} samples)")
+        shard_of = np.searchsorted(self._offsets, index, side='right') - 1
+        rows = index - self._offsets[shard_of]
+        # [2, n, dim]: the image features and the text features each come out as one contiguous tensor
+        stored = np.empty((2, len(index), self.dim), DTYPES[self.dtype])
+        scales = np.empty((2, len(index)), np.float32) if self.dtype == 'int8' else None
+        for s in np.unique(shard_of):
+            name, at = self.shards[s].name, np.flatnonzero(shard_of == s)
+            stored[:, at] = self._features(name)[rows[at]].transpose(1, 0, 2)
+            if scales is not None:
+                scales[:, at] = self._scales(name)[rows[at]].T
+        features = decode(stored, scales)
+        finite = np.isfinite(features).all(axis=(0, 2))
+        if not finite.all():
+            bad = int(np.argmin(finite))
+            raise FeatureStoreError(f"shard '{self.shards[shard_of[bad]].name}', row {rows[bad]}: non-finite features")
+        features = torch.from_numpy(features)
+        return features[0], features[1]
 
 
 class FeatureStoreWriter:
@@ -198,12 +240,16 @@ class FeatureStoreWriter:
 
     `shards`, the names of all shards of the store in order, lets several writers (processes) share the work:
     each adds some, and any of them can `close()` once all are `finished` (without it, the store is the shards this
-    writer added). Writers of one `.partial` directory must agree on the settings and the shards."""
+    writer added). Writers of one `.partial` directory must agree on the settings and the shards.
 
-    def __init__(self, root, model: str, pretrained: str, dim: int = None, dtype: str = 'float16',
-                 shards: Sequence[str] = None):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    dtype None writes a keys-only store: `add_shard` then takes keys alone, and model and pretrained are None."""
+
+    def __init__(self, root, model: Optional[str], pretrained: Optional[str], dim: int = None,
+                 dtype: Optional[str] = 'float16', shards: Sequence[str] = None):
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: keys only), got {dtype!r}")
+        if dtype is None and (model is not None or pretrained is not None or dim is not None):
+            raise ValueError("a keys-only store (dtype None) has no model, pretrained weights or dimension")
         self.final = Path(root)
         self.root = self.final.with_name(self.final.name + '.partial')
         self.root.mkdir(parents=True, exist_ok=True)
@@ -215,8 +261,7 @@ class FeatureStoreWriter:
         path = self.root / PLAN
         if path.is_file():
             found = json.loads(path.read_text())
-            differ = [('another list of shards' if k == 'shards' else f"{k} {found.get(k)!r}")
-                      for k in plan if found.get(k) != plan[k]]
+            differ = [_describe(k, found.get(k)) for k in plan if found.get(k) != plan[k]]
             if differ:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
                                         f"resume it with the same settings, or delete it to start afresh")
@@ -234,33 +279,46 @@ class FeatureStoreWriter:
         plan = json.loads(path.read_text())
         return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'])
 
-    def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray, text_features: np.ndarray):
+    def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray = None,
+                  text_features: np.ndarray = None):
+        """Write a shard: its keys and, unless the store is keys-only, their image and text features."""
+        dtype = self.meta['dtype']
         if self.plan is not None and name not in self.plan:
             raise ValueError(f"shard '{name}' is not one of the {len(self.plan)} shards of '{self.final}'")
-        if len(keys) != len(image_features) or len(keys) != len(text_features):
-            raise ValueError(f"shard '{name}': {len(keys)} keys, {len(image_features)} image and "
-                             f"{len(text_features)} text features")
+        if (image_features is None or text_features is None) != (dtype is None):
+            raise ValueError(f"shard '{name}': " + ("a keys-only store takes keys alone" if dtype is None else
+                                                    "a feature store needs image and text features"))
         if len(set(keys)) != len(keys):
             raise ValueError(f"shard '{name}': sample keys are not unique")
-        if self.dim is not None and image_features.shape[1] != self.dim:
-            raise ValueError(f"shard '{name}': features of dimension {image_features.shape[1]}, not {self.dim}")
-        stored, scales = encode(np.stack([image_features, text_features], axis=1), self.meta['dtype'])
-        arrays = [stored] + ([scales] if scales is not None else []) + [np.asarray([str(k) for k in keys])]
-        for file, array in zip(shard_files(name, self.meta['dtype']), arrays):
+        arrays = [np.asarray([str(k) for k in keys])]
+        if dtype is not None:
+            if len(keys) != len(image_features) or len(keys) != len(text_features):
+                raise ValueError(f"shard '{name}': {len(keys)} keys, {len(image_features)} image and "
+                                 f"{len(text_features)} text features")
+            if self.dim is not None and image_features.shape[1] != self.dim:
+                raise ValueError(f"shard '{name}': features of dimension {image_features.shape[1]}, not {self.dim}")
+            stored, scales = encode(np.stack([image_features, text_features], axis=1), dtype)
+            arrays = [stored] + ([scales] if scales is not None else []) + arrays
+        for file, array in zip(shard_files(name, dtype), arrays):
             _atomic_save(self.root / file, array)
         self.shards.append(name)
 
     def _finished(self, name: str):
-        """(count, dim) of a shard whose files are all on disk and agree, else None."""
+        """(count, dim) of a shard whose files are all on disk and agree (dim 0: keys only), else None."""
+        dtype = self.meta['dtype']
         try:
-            arrays = [np.load(self.root / f, mmap_mode='r', allow_pickle=False)
-                      for f in shard_files(name, self.meta['dtype'])]
+            arrays = [np.load(self.root / f, mmap_mode='r', allow_pickle=False) for f in shard_files(name, dtype)]
         except (OSError, ValueError):  # missing, or not a whole .npy file
             return None
-        features, keys = arrays[0], arrays[-1]
+        keys = arrays[-1]
         n = len(keys)
-        if (features.dtype != DTYPES[self.meta['dtype']] or features.ndim != 3 or features.shape[:2] != (n, 2)
-                or keys.shape != (n,) or (len(arrays) == 3 and arrays[1].shape != (n, 2))):
+        if keys.shape != (n,):
+            return None
+        if dtype is None:
+            return n, 0
+        features = arrays[0]
+        if (features.dtype != DTYPES[dtype] or features.ndim != 3 or features.shape[:2] != (n, 2)
+                or (len(arrays) == 3 and arrays[1].shape != (n, 2))):
             return None
         return n, features.shape[2]
 

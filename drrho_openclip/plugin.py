@@ -8,7 +8,7 @@ Two parts:
    the patched modules, the hook applies that file's hunks to the source in memory, the way pytest rewrites asserts.
    The patch is the single source of truth, and it applies exactly or the import fails with a clear message.
 2. The plugin itself (this module is the entry point): flags, loss creation, the dataloader wrapper attaching each
-   sample's index and reference features, and model/optimizer set-up.
+   sample's index and each batch's reference features, and model/optimizer set-up.
 """
 import importlib.abc
 import importlib.machinery
@@ -150,7 +150,8 @@ def _user_options():
 
 
 def add_args(parser):
-    """`--loss`, the reference-feature flags, and one flag per loss option (registry-driven, paper defaults)."""
+    """`--loss`, the reference-feature and sample-index flags, and one flag per loss option (registry-driven, paper
+    defaults)."""
     from .losses import get_loss_spec, list_losses
     from .losses.registry import OPTION_HELP
     g = parser.add_argument_group('drrho-openclip: reference-model steering and DRO contrastive losses')
@@ -162,6 +163,10 @@ def add_args(parser):
                    help='compute reference features online with this OpenCLIP model (no gradient)')
     g.add_argument('--ref-pretrained', metavar='TAG_OR_FILE', default=None,
                    help='pretrained tag or checkpoint file of --ref-model')
+    g.add_argument('--sample-index', metavar='DIR', default=None,
+                   help='WebDataset input, for a loss that keeps per-sample state without --ref-features: the store '
+                        'whose keys index the samples (`drrho-openclip-features --keys-only`; a feature store does '
+                        'too)')
     from .losses.core import STATE_LAYOUTS
     for option, (kind, losses) in sorted(_user_options().items()):
         if option in ('gamma_decay_epochs', 'tile_size', 'state_layout'):  # set from the run, whatever the loss
@@ -187,6 +192,7 @@ def check_args(args, parser):
     """Validate the plugin flags against the chosen loss (a flag the loss does not read is an error) and record the
     values in force on `args` (so params.txt shows them)."""
     from .losses import create_loss as build, get_loss_spec, loss_options
+    from .losses.core import per_sample_tables
     from .losses.registry import option_names
     spec = get_loss_spec(args.loss)
     own = option_names(args.loss)
@@ -212,8 +218,8 @@ def check_args(args, parser):
     if args.ref_pretrained is not None and args.ref_model is None:
         parser.error("--ref-pretrained needs --ref-model")
     try:  # the loss's own checks, on a stand-in of the run's sizes
-        build(args.loss, **given, **({'num_samples': 1} if spec.stateful else {}),
-              **({'embed_dim': 1} if 'embed_dim' in spec.defaults else {}))
+        stand_in = build(args.loss, **given, **({'num_samples': 1} if spec.stateful else {}),
+                         **({'embed_dim': 1} if 'embed_dim' in spec.defaults else {}))
     except ValueError as e:
         parser.error(f"--loss {args.loss}: {e}")
     for option in own:
@@ -223,9 +229,49 @@ def check_args(args, parser):
     if args.ref_features is not None:
         from .features import FeatureStore, FeatureStoreError
         try:
-            FeatureStore.open(args.ref_features)
+            store = FeatureStore.open(args.ref_features)
         except FeatureStoreError as e:
             parser.error(f"--ref-features: {e}")
+        if store.keys_only:
+            parser.error(f"--ref-features: '{store.root}' is a keys-only store: it holds no reference features (it "
+                         f"can be a --sample-index)")
+    _check_sample_index(args, parser, keeps_state=bool(per_sample_tables(stand_in)),
+                        reads_reference=_needs_reference(spec, options))
+
+
+def _input_kind(args) -> str:
+    """'csv', 'synthetic' or 'webdataset': --dataset-type, or for 'auto' what OpenCLIP makes of --train-data."""
+    if args.dataset_type != 'auto':
+        return args.dataset_type
+    return 'csv' if (args.train_data or '').split('::')[0].rsplit('.', 1)[-1].lower() in ('csv', 'tsv') \
+        else 'webdataset'
+
+
+def _check_sample_index(args, parser, keeps_state: bool, reads_reference: bool):
+    """The dense sample index of a loss with per-sample state: CSV rows and the synthetic dataset's are their own;
+    WebDataset samples are indexed by the keys of a store, --ref-features' or --sample-index's."""
+    webdataset = args.train_data is not None and _input_kind(args) == 'webdataset'
+    if args.sample_index is None:
+        if keeps_state and webdataset and args.ref_features is None:
+            parser.error(f"--loss {args.loss} keeps per-sample state, and WebDataset samples have no index of their "
+                         f"own: write one with `drrho-openclip-features --keys-only --train-data '{args.train_data}' "
+                         f"--output DIR` and pass --sample-index DIR"
+                         + (" (or precompute the reference features: --ref-features indexes them too)"
+                            if reads_reference else ""))
+        return
+    if not keeps_state:
+        parser.error(f"--sample-index: --loss {args.loss} with these options keeps no per-sample state, so it needs no "
+                     f"sample index" + (" (--gamma 1)" if args.gamma == 1 else ""))
+    if args.ref_features is not None:
+        parser.error("--sample-index: the --ref-features store already indexes the samples; drop --sample-index")
+    if not webdataset:
+        parser.error(f"--sample-index is for WebDataset input: the rows of --dataset-type {_input_kind(args)} input "
+                     f"are its sample index already")
+    from .features import FeatureStore, FeatureStoreError
+    try:
+        FeatureStore.open(args.sample_index)
+    except FeatureStoreError as e:
+        parser.error(f"--sample-index: {e}")
 
 
 def _is_plain_clip(args) -> bool:
@@ -240,17 +286,19 @@ def _uses_logit_scale(loss) -> bool:
 
 
 def _sample_index_size(args) -> int:
-    """Size of the dense sample index: the reference store's, a CSV's rows, or the synthetic dataset's size."""
-    if args.ref_features is not None:
+    """Size of the dense sample index: the store's (--ref-features or --sample-index), a CSV's rows, or the
+    synthetic dataset's size."""
+    store = args.ref_features or args.sample_index
+    if store is not None:
         from .features import FeatureStore
-        return FeatureStore.open(args.ref_features).num_samples
-    if args.dataset_type == 'synthetic':
+        return FeatureStore.open(store).num_samples
+    kind = _input_kind(args)
+    if kind == 'synthetic':
         return args.train_num_samples
-    if args.train_data and args.train_data.split('::')[0].rsplit('.', 1)[-1].lower() in ('csv', 'tsv') \
-            or args.dataset_type == 'csv':
+    if kind == 'csv':
         import pandas as pd
         return len(pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key]))
-    return 0  # WebDataset without a store: no index (a stateful loss says so in wrap_data)
+    return 0  # WebDataset without a store: the loss keeps no per-sample state (check_args makes sure)
 
 
 # From `benchmarks/tiled_memory.py` on a 2-core CPU: at a global batch of 16384 the tiled core ran as fast as the
@@ -281,14 +329,8 @@ def configure_model(model, args):
         options['embed_dim'] = open_clip.get_model_config(args.model)['embed_dim']
     if 'tile_size' in options and options['tile_size'] is None:
         args.tile_size = options['tile_size'] = auto_tile_size(args.batch_size * args.world_size)
-    try:
-        loss = build(args.loss, **options, rank=args.rank, world_size=args.world_size, local_loss=args.local_loss,
-                     gather_with_grad=args.gather_with_grad)
-    except ValueError as e:
-        if options.get('num_samples') == 0:
-            raise ValueError(f"--loss {args.loss}: {e}. With WebDataset input the sample index comes from the "
-                             f"reference-feature store: pass --ref-features DIR") from e
-        raise
+    loss = build(args.loss, **options, rank=args.rank, world_size=args.world_size, local_loss=args.local_loss,
+                 gather_with_grad=args.gather_with_grad)
     sharding = getattr(loss, 'sharding', None)
     if 'state_layout' in options and sharding is not None:
         args.state_layout = sharding.layout  # 'auto' resolved from the dataset size and the world size
@@ -442,7 +484,8 @@ class OnlineReference:
 
 
 def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
-    """Attach `{'index', ['ref_image_features', 'ref_text_features']}` to every training batch."""
+    """Attach `{'index', ['ref_image_features', 'ref_text_features']}` to every training batch: the index per
+    sample, the reference features per batch once it is collated."""
     if 'train' not in data or _is_plain_clip(args):
         return data
     from open_clip_train.data import CsvDataset, SyntheticDataset
@@ -455,9 +498,13 @@ def wrap_data(data, args, preprocess_fns, epoch=0, tokenizer=None):
             if isinstance(dataset, SyntheticDataset):
                 raise ValueError("--ref-features cannot describe --dataset-type synthetic")
             check_csv_keys(store, args.train_data, dataset.images)
+            if store.num_samples != len(dataset):  # the row number is the dense index: no other shard may come first
+                raise ValueError(f"'{store.root}' holds {store.num_samples} reference features, the dataset has "
+                                 f"{len(dataset)} samples")
         data['train'] = _map_loader_with_extras(info, dataset, store, args)
     else:
-        data['train'] = _wds_with_extras(args, preprocess_fns[0], store, epoch, tokenizer)
+        index = FeatureStore.open(args.sample_index) if args.sample_index else store
+        data['train'] = _wds_with_extras(args, preprocess_fns[0], index, store, epoch, tokenizer)
     return data
 
 
@@ -479,22 +526,23 @@ def _map_loader_with_extras(info, dataset, store, args):
     distributed) so that each epoch's order is a function of (seed, epoch): exact resume, equal across world sizes."""
     from torch.utils.data import DataLoader, DistributedSampler
     from open_clip_train.data import DataInfo
-    from .data import WithSampleExtras
+    from .data import CollateWithReferenceFeatures, WithSampleExtras
     sampler = DistributedSampler(dataset, num_replicas=args.world_size, rank=args.rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(WithSampleExtras(dataset, sampler, args.seed, store), batch_size=args.batch_size,
+    loader = DataLoader(WithSampleExtras(dataset, sampler, args.seed), batch_size=args.batch_size,
                         num_workers=args.workers, pin_memory=info.dataloader.pin_memory, sampler=sampler,
-                        drop_last=True)
+                        drop_last=True, collate_fn=None if store is None else CollateWithReferenceFeatures(store))
     loader.num_samples, loader.num_batches = info.dataloader.num_samples, len(loader)
     return DataInfo(loader, sampler)
 
 
-def _wds_with_extras(args, preprocess_img, store, epoch, tokenizer):
+def _wds_with_extras(args, preprocess_img, index, store, epoch, tokenizer):
     """OpenCLIP's training WebDataset pipeline (open_clip_train.data.get_wds_dataset, is_train=True), keeping each
-    sample's shard and `__key__` long enough to attach its index and reference features."""
+    sample's shard and `__key__` long enough to look its index up in the `index` store; the reference features of
+    `store` are added to each batch as it is collated."""
     import webdataset as wds
     from torch.utils.data import default_collate
     from open_clip_train import data as oc
-    from .data import SampleExtrasFromKey
+    from .data import CollateWithReferenceFeatures, SampleIndexFromKey
 
     input_shards = args.train_data
     resampled = args.dataset_resampled
@@ -521,9 +569,10 @@ def _wds_with_extras(args, preprocess_img, store, epoch, tokenizer):
         wds.decode("pilrgb", handler=oc.log_and_continue),
         wds.rename(image="jpg;png;jpeg;webp", text="txt"),
         wds.map_dict(image=preprocess_img, text=lambda text: tokenizer(text)[0]),
-        wds.map(SampleExtrasFromKey(store)),
+        wds.map(SampleIndexFromKey(index)),
         wds.to_tuple("image", "text", "extras"),
-        wds.batched(args.batch_size, partial=False, collation_fn=default_collate),
+        wds.batched(args.batch_size, partial=False,
+                    collation_fn=default_collate if store is None else CollateWithReferenceFeatures(store)),
     ])
     dataset = wds.DataPipeline(*pipeline)
     if not resampled:

@@ -3,10 +3,16 @@
     drrho-openclip-features --model ViT-B-32 --pretrained openai --train-data 'shards/{00000..00099}.tar' --output ref/
     python -m drrho_openclip.precompute --model local-dir:./ref_model --pretrained ./ref/epoch_5.pt \
         --train-data train.csv --csv-img-key filepath --csv-caption-key title --output ref/
+    drrho-openclip-features --keys-only --train-data 'shards/{00000..00099}.tar' --output index/
     drrho-openclip-features verify ref/ [--train-data 'shards/{00000..00099}.tar']
 
 Images go through the reference model's own evaluation transform (no augmentation) and texts through its own
 tokenizer, so the features do not depend on the learner's preprocessing.
+
+`--keys-only` writes a store of sample keys alone, no model and no features: the sample index of WebDataset shards
+for training's `--sample-index` (losses that keep per-sample state without reading reference features). It reads
+the shards' keys exactly as a feature store does (tar members grouped by `__key__`, image-text samples only, in file
+order, nothing decoded), so both kinds of store give every sample the same index.
 
 Many processes: `--num-parts P --part I` computes the I-th of P contiguous slices of the shard list (by default from
 torchrun's RANK/WORLD_SIZE or a SLURM job array's task id and count). Every part writes into `<output>.partial/`;
@@ -75,8 +81,11 @@ def parse_args(argv=None):
     _add_data_args(p, required=False)
     p.add_argument('--output', required=True, help='directory of the feature store to write')
     p.add_argument('--overwrite', action='store_true', help='replace an existing store in --output')
-    p.add_argument('--dtype', choices=list(DTYPES), default='float16',
-                   help='storage dtype (default: %(default)s, half the bytes of float32; int8: a quarter, plus a '
+    p.add_argument('--keys-only', action='store_true',
+                   help='write only the sample keys of WebDataset shards (no model, no features): the sample index '
+                        "for training's --sample-index")
+    p.add_argument('--dtype', choices=list(DTYPES), default=None,
+                   help='storage dtype (default: float16, half the bytes of float32; int8: a quarter, plus a '
                         'float32 scale per vector)')
     part, num_parts = _env_part()
     p.add_argument('--num-parts', type=int, default=num_parts,
@@ -87,16 +96,33 @@ def parse_args(argv=None):
     p.add_argument('--finalize', action='store_true',
                    help='only finish the store in <output>.partial/ once all its shards are written (needs only '
                         '--output; the last part to end does this by itself)')
-    p.add_argument('--batch-size', type=int, default=256)
+    p.add_argument('--batch-size', type=int, default=None, help='images per forward pass (default: 256)')
     p.add_argument('--workers', type=int, default=2, help='data-loading processes (each reads whole shards)')
     default_device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else 'cpu'
-    p.add_argument('--device', default=default_device)
-    args = p.parse_args(argv)
-    if not args.finalize and (args.model is None or args.train_data is None):
-        p.error('--model and --train-data are required (except with --finalize)')
+    p.add_argument('--device', default=None, help=f'device of the model (default: {default_device})')
+    args = _resolve_dataset_type(p.parse_args(argv))
+    if args.keys_only:
+        unused = [flag for flag, value in (('--model', args.model), ('--pretrained', args.pretrained),
+                                           ('--dtype', args.dtype), ('--batch-size', args.batch_size),
+                                           ('--device', args.device)) if value is not None]
+        if unused:
+            p.error(f"{', '.join(unused)}: not used with --keys-only, which writes sample keys alone (no model, no "
+                    f"features)")
+        if args.finalize:
+            p.error('--finalize reads the settings of the unfinished store in <output>.partial/: drop --keys-only')
+        if args.dataset_type == 'csv':
+            p.error('--keys-only is for WebDataset shards: the rows of a CSV are its sample index already')
+    else:
+        args.dtype = args.dtype or 'float16'
+        args.batch_size = args.batch_size or 256
+        args.device = args.device or default_device
+    if not args.finalize and args.train_data is None:
+        p.error('--train-data is required (except with --finalize)')
+    if not (args.finalize or args.keys_only) and args.model is None:
+        p.error('--model is required (except with --keys-only or --finalize)')
     if not 0 <= args.part < args.num_parts:
         p.error(f'--part must be in [0, --num-parts), got --part {args.part} --num-parts {args.num_parts}')
-    return _resolve_dataset_type(args)
+    return args
 
 
 def _sources(args):
@@ -167,6 +193,18 @@ class _ShardBatches(torch.utils.data.IterableDataset):
                 self.tokenizer([str(text) for _, _, text in batch]))
 
 
+class _ShardKeys(torch.utils.data.IterableDataset):
+    """(shard name, keys of its image-text samples) for each shard; a loader worker reads whole shards."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info()
+        for name, url in self.shards if worker is None else self.shards[worker.id::worker.num_workers]:
+            yield name, [key for key, _, _ in _shard_samples(url, decode=False)]
+
+
 def _csv_batches(args, preprocess, tokenizer):
     """The same stream as _ShardBatches for the one shard of a CSV file."""
     df = _read_csv(args)
@@ -227,6 +265,19 @@ def _compute(args, shards, writer):
     return samples, time.perf_counter() - start
 
 
+def _write_keys(args, shards, writer) -> int:
+    """Write the keys of `shards` ([(name, url)]), each shard as soon as it is read; returns the number of samples."""
+    samples = 0
+    keys_of_shards = torch.utils.data.DataLoader(_ShardKeys(shards), batch_size=None, num_workers=args.workers)
+    for name, keys in tqdm(keys_of_shards, total=len(shards), unit='shard', desc=f'part {args.part}/{args.num_parts}',
+                           dynamic_ncols=True):
+        if not keys:
+            raise SystemExit(f"shard '{name}' holds no image-text samples")
+        writer.add_shard(name, keys)
+        samples += len(keys)
+    return samples
+
+
 def _finalize(writer, explicit: bool) -> int:
     try:
         done = writer.close()
@@ -234,8 +285,9 @@ def _finalize(writer, explicit: bool) -> int:
         raise SystemExit(str(e))
     if done:
         store = FeatureStore.open(writer.final)
-        logging.info(f"wrote reference features of {store.num_samples} samples ({len(store.shards)} shards, "
-                     f"{store.dtype}) to {writer.final}")
+        what, kind = ('the keys', 'keys only') if store.keys_only else ('reference features', store.dtype)
+        logging.info(f"wrote {what} of {store.num_samples} samples ({len(store.shards)} shards, {kind}) to "
+                     f"{writer.final}")
         return 0
     message = (f"'{writer.root / LOCK}' exists: another process is finishing the store (or died doing so: if none "
                f"is running, delete that file and run --finalize)")
@@ -257,8 +309,11 @@ def main(argv=None):
         if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
             raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
         shards = _sources(args)
-        writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', dtype=args.dtype,
-                                    shards=[name for name, _ in shards])
+        names = [name for name, _ in shards]
+        if args.keys_only:
+            writer = FeatureStoreWriter(args.output, None, None, dtype=None, shards=names)
+        else:
+            writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', dtype=args.dtype, shards=names)
     except FeatureStoreError as e:
         raise SystemExit(str(e))
     mine = shards[part_slice(len(shards), args.part, args.num_parts)]
@@ -267,7 +322,10 @@ def main(argv=None):
     logging.info(f"{where}: {len(mine)} of {len(shards)} shards"
                  + (f" ('{mine[0][0]}' to '{mine[-1][0]}')" if mine else '')
                  + f", {len(mine) - len(todo)} already finished in {writer.root}")
-    if todo:
+    if todo and args.keys_only:
+        samples = _write_keys(args, todo, writer)
+        logging.info(f"{where}: read the keys of {samples} samples of {len(todo)} shards")
+    elif todo:
         samples, seconds = _compute(args, todo, writer)
         logging.info(f"{where}: encoded {samples} samples of {len(todo)} shards in {seconds:.1f} s "
                      f"({samples / max(seconds, 1e-9):.1f} samples/s)")
@@ -293,27 +351,31 @@ def _check_shard(store, shard, data_keys=None):
     name = shard.name
     try:
         keys = store.keys(name).tolist()
-        features = store.shard_features(name)
+        features = None if store.keys_only else store.shard_features(name)
     except FeatureStoreError as e:
         return f"{name}: unreadable", [str(e)]
     files = shard_files(name, store.dtype)
     keys_file = files[-1]
-    values_file = files[1] if store.dtype == 'int8' else files[0]  # int8 values are finite: a NaN is in a scale
     problems = []
     counts = pd.Series(keys).value_counts()
     unique = len(counts) == len(keys)
     if not unique:
         problems.append(f"shard '{name}', file '{keys_file}': {int((counts > 1).sum())} keys appear more than "
                         f"once, e.g. '{counts.index[0]}' {counts.iloc[0]} times")
-    finite = np.isfinite(features)
-    if not finite.all():
-        row = int(np.argwhere(~finite)[0][0])
-        problems.append(f"shard '{name}', file '{values_file}': {int((~finite).sum())} non-finite values (first "
-                        f"in row {row})")
-    off = np.abs(np.linalg.norm(features, axis=-1) - 1) > UNIT_NORM_TOLERANCE  # NaN rows are counted above
-    if off.any():
-        problems.append(f"shard '{name}', file '{values_file}': {int(off.any(axis=1).sum())} samples whose features "
-                        f"are not unit-norm (first in row {int(np.argwhere(off)[0][0])})")
+    if features is None:
+        values = 'keys only'
+    else:
+        values_file = files[1] if store.dtype == 'int8' else files[0]  # int8 values are finite: a NaN is in a scale
+        finite = np.isfinite(features)
+        if not finite.all():
+            row = int(np.argwhere(~finite)[0][0])
+            problems.append(f"shard '{name}', file '{values_file}': {int((~finite).sum())} non-finite values (first "
+                            f"in row {row})")
+        off = np.abs(np.linalg.norm(features, axis=-1) - 1) > UNIT_NORM_TOLERANCE  # NaN rows are counted above
+        if off.any():
+            problems.append(f"shard '{name}', file '{values_file}': {int(off.any(axis=1).sum())} samples whose "
+                            f"features are not unit-norm (first in row {int(np.argwhere(off)[0][0])})")
+        values = f"dim {features.shape[-1]}, {store.dtype}, {int((~finite).sum())} non-finite"
     coverage = ''
     if data_keys is not None:
         stored, wanted = set(keys), set(data_keys)
@@ -322,8 +384,7 @@ def _check_shard(store, shard, data_keys=None):
                             ('keys are not samples of the data', stored - wanted)):
             if extra:
                 problems.append(f"shard '{name}', file '{keys_file}': {len(extra)} {what}, e.g. '{min(extra)}'")
-    report = (f"{name}: {len(keys)} samples, keys {'unique' if unique else 'NOT unique'}, "
-              f"dim {features.shape[-1]}, {store.dtype}, {int((~finite).sum())} non-finite{coverage}")
+    report = f"{name}: {len(keys)} samples, keys {'unique' if unique else 'NOT unique'}, {values}{coverage}"
     return report, problems
 
 
@@ -331,8 +392,9 @@ def verify(argv=None) -> int:
     """`drrho-openclip-features verify DIR`: a line per shard, then every problem; exit status 1 if any."""
     p = argparse.ArgumentParser(prog='drrho-openclip-features verify', allow_abbrev=False,
                                 description='Check a reference-feature store: per shard its sample count, unique '
-                                            'keys, dimension, dtype, finite unit-norm features, and with '
-                                            '--train-data that its keys are exactly the samples of the data.')
+                                            'keys, dimension, dtype, finite unit-norm features (none in a keys-only '
+                                            'store), and with --train-data that its keys are exactly the samples of '
+                                            'the data.')
     p.add_argument('store', help='the store directory')
     _add_data_args(p, required=False)
     args = _resolve_dataset_type(p.parse_args(argv))
@@ -342,9 +404,13 @@ def verify(argv=None) -> int:
         print(f"PROBLEM: {e}")
         return 1
     data = _data_keys(args) if args.train_data else {}
-    print(f"{store.root}: {len(store.shards)} shards, {store.num_samples} samples, dim {store.dim}, {store.dtype}, "
-          f"model {store.model}" + (f" ({store.pretrained})" if store.pretrained else ''))
-    problems = [f"shard '{name}' of --train-data has no features in '{store.root}'"
+    if store.keys_only:
+        contents = 'keys only (a sample index, no features)'
+    else:
+        contents = f"dim {store.dim}, {store.dtype}, model {store.model}" + (
+            f" ({store.pretrained})" if store.pretrained else '')
+    print(f"{store.root}: {len(store.shards)} shards, {store.num_samples} samples, {contents}")
+    problems = [f"shard '{name}' of --train-data has no {'keys' if store.keys_only else 'features'} in '{store.root}'"
                 for name in data if name not in {s.name for s in store.shards}]
     for shard in store.shards:
         report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None)

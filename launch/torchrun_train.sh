@@ -15,6 +15,8 @@ MODEL=${MODEL:-ViT-B-32}
 TRAIN_DATA=${TRAIN_DATA:-"/data/cc3m/shards/{00000..00331}.tar"}
 TRAIN_NUM_SAMPLES=${TRAIN_NUM_SAMPLES:-2818102}        # empty: let OpenCLIP read the shards' sizes
 REF_FEATURES=${REF_FEATURES-/data/cc3m/ref_features}   # set empty for a loss that uses no reference features
+SAMPLE_INDEX=${SAMPLE_INDEX-}                          # WebDataset, a stateful loss without REF_FEATURES: a store of
+                                                       # the shards' keys (drrho-openclip-features --keys-only)
 LOGS=${LOGS:-./logs}
 NAME=${NAME:-$LOSS-$MODEL}                             # fixed: what --resume latest looks up
 TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 256 --epochs 30 --lr 1e-3 --wd 0.1 --warmup 2000 --workers 6 \
@@ -28,6 +30,7 @@ cmd=(torchrun --standalone --nproc_per_node="$NPROC"
      --resume latest --save-most-recent)
 [[ -n "$TRAIN_NUM_SAMPLES" ]] && cmd+=(--train-num-samples "$TRAIN_NUM_SAMPLES")
 [[ -n "$REF_FEATURES" ]] && cmd+=(--ref-features "$REF_FEATURES")
+[[ -n "$SAMPLE_INDEX" ]] && cmd+=(--sample-index "$SAMPLE_INDEX")
 read -ra extra <<< "$TRAIN_ARGS"
 cmd+=("${extra[@]}" "$@")   # later flags win: arguments of this script override the settings
 

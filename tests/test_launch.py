@@ -81,10 +81,11 @@ def test_slurm_train_runs_one_torchrun_per_node_with_a_c10d_rendezvous(fake_scon
 
 
 def test_slurm_train_dry_run_outside_slurm_and_a_loss_without_reference():
-    cmd = printed_command('slurm_train.sbatch', LOSS='sogclr', REF_FEATURES='')
+    cmd = printed_command('slurm_train.sbatch', LOSS='sogclr', REF_FEATURES='', SAMPLE_INDEX='/index')
     assert option(cmd, '--rdzv_endpoint') == 'MASTER_NODE:29500'
     args = training_args(cmd)
     assert option(args, '--loss') == 'sogclr' and '--ref-features' not in args
+    assert option(args, '--sample-index') == '/index'
 
 
 def test_slurm_train_refuses_to_run_outside_a_job():
@@ -99,6 +100,7 @@ def test_torchrun_train_is_standalone():
     assert option(args, '--loss') == 'fastclip' and option(args, '--resume') == 'latest'
     assert '--save-most-recent' in args
     assert option(args, '--name') == 'run7' and '--logs' in args and '--ref-features' not in args
+    assert '--sample-index' not in args  # only when SAMPLE_INDEX is set
 
 
 @pytest.mark.parametrize('env, part, parts', [

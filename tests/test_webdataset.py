@@ -1,34 +1,12 @@
 """WebDataset input: reference features written per shard by the precompute command, looked up by `__key__`."""
 import subprocess
 import sys
-import tarfile
 
 import pytest
 import torch
 
 from conftest import ENV, checkpoint, run_openclip
 from drrho_openclip.features import FeatureStore
-
-
-@pytest.fixture(scope='module')
-def shards(shapes, tmp_path_factory):
-    """The 64 shapes in 4 tar shards, keyed by arbitrary strings (not img2dataset's shard*10000+i arithmetic)."""
-    root = tmp_path_factory.mktemp('wds')
-    rows = [line.split('\t') for line in shapes['csv'].read_text().splitlines()[1:]]
-    for s in range(4):
-        with tarfile.open(root / f'part-{s}.tar', 'w') as tar:
-            for i, (path, title, _) in enumerate(rows[s * 16:(s + 1) * 16]):
-                key = f'sample_{s}_{i:02d}_x'
-                tar.add(path, arcname=f'{key}.png')
-                caption = root / f'{key}.txt'
-                caption.write_text(title)
-                tar.add(caption, arcname=f'{key}.txt')
-    features = root / 'ref'
-    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
-                             '--train-data', str(root / 'part-{0..3}.tar'), '--output', str(features),
-                             '--batch-size', '5', '--workers', '0'], capture_output=True, text=True, env=ENV)
-    assert result.returncode == 0, result.stderr
-    return dict(urls=str(root / 'part-{0..3}.tar'), ref=features, root=root)
 
 
 def wds_args(shapes, shards, logs, name, *extra):
