@@ -6,8 +6,10 @@ Writes `benchmarks/results/feature_store.json` and `.md`.
 
 Bytes: one shard of N = 10000 samples (the official fork's shard size), for the reference dimensions 512 (ViT-B-32)
 and 768 (ViT-L-14). Ours: every file of the shard in a store written by FeatureStoreWriter (features, int8 scales,
-and keys, counted apart: img2dataset's 9-digit keys, stored as numpy unicode, 36 bytes each). The official layout
-(DRRho-CLIP's `--cache_ref_model_features`): `torch.save` of a [N, 2, D] float32 tensor per shard, no keys.
+and keys, counted apart). Keys: img2dataset's consecutive 9-digit keys (stored as one run record), and, for float16,
+also arbitrary 20-character string keys (stored as UTF-8, one entry per sample). The official layout (DRRho-CLIP's
+`--cache_ref_model_features`): `torch.save` of a [N, 2, D] float32 tensor per shard, no keys (it cannot index
+arbitrary keys: it relies on img2dataset's key arithmetic).
 
 Loss error: the DRRho loss (`create_loss('drrho')`, its paper defaults: τ = 0.01, γ = 0.8, fresh per-sample state)
 of a batch of B = 1024 learner features, with the reference features read back from a store of each dtype, against
@@ -17,7 +19,8 @@ text ones correlated with the image ones, the learner's a noisy copy of the refe
 `gaussian` (isotropic), and `outlier dims` (8 of the D coordinates 10× larger, as in real CLIP embeddings: the
 worst case of a per-vector int8 scale, set by the largest coordinate).
 
-Read rate: `FeatureStore.features(i)` (what a loader worker calls per sample) at 4000 random indices.
+Read rate: `FeatureStore.batch_features(index)` (what a loader worker calls per batch) on 16 batches of 256 random
+indices, samples/s.
 """
 import json
 import platform
@@ -53,8 +56,8 @@ def reference_features(n, dim, distribution, rng):
     return np.stack([unit(image), unit(text)], axis=1).astype(np.float32)
 
 
-def write_store(root, features, dtype):
-    keys = [f'{i:09d}' for i in range(len(features))]
+def write_store(root, features, dtype, keys=None):
+    keys = keys or [f'{i:09d}' for i in range(len(features))]
     writer = FeatureStoreWriter(root, 'bench', '', dim=features.shape[-1], dtype=dtype)
     writer.add_shard('00000000', keys, features[:, 0], features[:, 1])
     writer.close()
@@ -66,16 +69,19 @@ def bytes_per_sample(tmp, dim, rng):
     official = tmp / f'official-{dim}.pt'
     torch.save(torch.from_numpy(features), official)
     rows = [dict(dim=dim, dtype='float32', layout='official .pt', features=official.stat().st_size / SHARD, keys=0)]
-    for dtype in DTYPES:
-        store = write_store(tmp / f'{dtype}-{dim}', features, dtype)
+    string_keys = [f'{k:020x}' for k in rng.integers(0, 2 ** 62, SHARD)]
+    for dtype, key_kind in [(dtype, 'img2dataset') for dtype in DTYPES] + [('float16', 'string')]:
+        store = write_store(tmp / f'{dtype}-{dim}-{key_kind}', features, dtype,
+                            string_keys if key_kind == 'string' else None)
         sizes = {f.name: f.stat().st_size for f in store.root.iterdir() if f.suffix == '.npy'}
         keys = sum(size for name, size in sizes.items() if name.endswith('.keys.npy'))
-        index = np.random.default_rng(0).integers(0, SHARD, 4000)
+        batches = torch.from_numpy(np.random.default_rng(0).integers(0, SHARD, (16, 256)))
         start = time.perf_counter()
-        for i in index:
-            store.features(int(i))
-        rows.append(dict(dim=dim, dtype=dtype, layout='ours .npy', features=(sum(sizes.values()) - keys) / SHARD,
-                         keys=keys / SHARD, reads_per_s=len(index) / (time.perf_counter() - start)))
+        for index in batches:
+            store.batch_features(index)
+        rows.append(dict(dim=dim, dtype=dtype, layout=f'ours .npy, {key_kind} keys',
+                         features=(sum(sizes.values()) - keys) / SHARD, keys=keys / SHARD,
+                         reads_per_s=batches.numel() / (time.perf_counter() - start)))
     for row in rows:
         row['ratio_to_official'] = (row['features'] + row['keys']) / rows[0]['features']
     return rows
@@ -119,8 +125,8 @@ def markdown(result):
              '|---:|---|---|---:|---:|---:|---:|']
     for r in result['bytes']:
         reads = f"{r['reads_per_s']:,.0f}" if 'reads_per_s' in r else '–'
-        lines.append(f"| {r['dim']} | {r['dtype']} | {r['layout']} | {r['features']:.1f} | {r['keys']:.1f} | "
-                     f"{r['ratio_to_official']:.3f} | {reads} |")
+        lines.append(f"| {r['dim']} | {r['dtype']} | {r['layout']} | {r['features']:.1f} | {r['keys']:.2f} | "
+                     f"{r['ratio_to_official']:.4f} | {reads} |")
     lines += ['', f'## DRRho loss error from the stored reference features (batch {BATCH}, max over {BATCHES} '
                   'batches)', '',
               '| dim | features | dtype | max abs feature error | loss rel. error | gradient rel. error |',

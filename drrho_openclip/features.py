@@ -7,7 +7,9 @@ Layout of a store directory:
     <shard>.features.npy       [n, 2, dim] array: [:, 0] image features, [:, 1] text features, in the store's dtype:
                                float16 (default), float32, or int8 (then scaled by the next file)
     <shard>.scales.npy         int8 stores only: [n, 2] float32, one scale per feature vector (feature = int8 * scale)
-    <shard>.keys.npy           the n sample keys of the shard: WebDataset `__key__`s, or a CSV's image paths
+    <shard>.keys.npy           the n sample keys of the shard: WebDataset `__key__`s, or a CSV's image paths, as
+                               UTF-8 bytes; keys that are consecutive zero-padded numbers (img2dataset's '000120',
+                               '000121', …) as one (first, count, width) record instead: no bytes per sample
 
 A sample's dense index (the slot of its per-sample state) is its shard's offset plus its row in the shard, so it
 never depends on how keys are spelt. Readers always get float32.
@@ -61,6 +63,31 @@ def shard_files(name: str, dtype: Optional[str]) -> List[str]:
     """The files of a shard, in the order they are written (the keys file last); dtype None: a keys-only store."""
     features = [] if dtype is None else [name + '.features.npy'] + ([name + '.scales.npy'] if dtype == 'int8' else [])
     return features + [name + '.keys.npy']
+
+
+# The keys file of a shard whose keys are f'{first + i:0{width}d}' for i < count
+KEY_RUN = np.dtype([('first', '<i8'), ('count', '<i8'), ('width', '<i8')])
+
+
+def encode_keys(keys: Sequence[str]) -> np.ndarray:
+    """The array a shard's keys file holds: a KEY_RUN record for consecutive zero-padded numbers, else UTF-8 bytes."""
+    keys = [str(k) for k in keys]
+    width = len(keys[0]) if keys else 0
+    if keys and all(len(k) == width and k.isascii() and k.isdecimal() for k in keys):
+        first = int(keys[0])
+        if all(int(k) == first + i for i, k in enumerate(keys)):
+            return np.array((first, len(keys), width), dtype=KEY_RUN)
+    return np.array([k.encode() for k in keys], dtype=bytes)
+
+
+def decode_keys(stored: np.ndarray) -> np.ndarray:
+    """The keys, as a [n] array of str, of what `encode_keys` wrote."""
+    if stored.dtype == KEY_RUN:
+        first, count, width = (int(stored[field]) for field in KEY_RUN.names)
+        return np.array([f'{first + i:0{width}d}' for i in range(count)], dtype=str)
+    if stored.dtype.kind == 'S':
+        return np.char.decode(stored, 'utf-8')
+    return stored  # str: stores written before keys were encoded
 
 
 def encode(features: np.ndarray, dtype: str):
@@ -153,10 +180,12 @@ class FeatureStore:
             raise FeatureStoreError(f"no {holds} for shard '{name}' in '{self.root}' "
                                     f"(it has {len(self.shards)} shards, e.g. '{self.shards[0].name}')") from None
 
-    def _load(self, name: str, suffix: str, shape: tuple, dtype=None, mmap_mode='r') -> np.ndarray:
+    def _load(self, name: str, suffix: str, shape: tuple, dtype=None, mmap_mode='r', decode_with=None) -> np.ndarray:
         path = self.root / (name + suffix)
         try:
             array = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+            if decode_with is not None:
+                array = decode_with(array)
         except Exception as e:  # numpy raises several types for truncated or foreign files
             raise FeatureStoreError(f"shard '{name}': '{path}' is corrupt ({e})") from e
         if array.shape != shape:
@@ -184,7 +213,7 @@ class FeatureStore:
 
     @lru_cache(maxsize=64)
     def keys(self, name: str) -> np.ndarray:
-        return self._load(name, '.keys.npy', (self.shard(name).count,), mmap_mode=None)
+        return self._load(name, '.keys.npy', (self.shard(name).count,), mmap_mode=None, decode_with=decode_keys)
 
     @lru_cache(maxsize=64)
     def _rows(self, name: str) -> Dict[str, int]:
@@ -290,7 +319,7 @@ class FeatureStoreWriter:
                                                     "a feature store needs image and text features"))
         if len(set(keys)) != len(keys):
             raise ValueError(f"shard '{name}': sample keys are not unique")
-        arrays = [np.asarray([str(k) for k in keys])]
+        arrays = [encode_keys(keys)]
         if dtype is not None:
             if len(keys) != len(image_features) or len(keys) != len(text_features):
                 raise ValueError(f"shard '{name}': {len(keys)} keys, {len(image_features)} image and "
@@ -311,8 +340,11 @@ class FeatureStoreWriter:
         except (OSError, ValueError):  # missing, or not a whole .npy file
             return None
         keys = arrays[-1]
-        n = len(keys)
-        if keys.shape != (n,):
+        if keys.dtype == KEY_RUN and keys.shape == ():
+            n = int(keys['count'])
+        elif keys.ndim == 1:
+            n = len(keys)
+        else:
             return None
         if dtype is None:
             return n, 0

@@ -1,0 +1,55 @@
+"""How a store spells its sample keys on disk: consecutive zero-padded numbers as one record, others as UTF-8."""
+import numpy as np
+import pytest
+
+from drrho_openclip.features import FeatureStore, FeatureStoreWriter
+
+DIM = 8
+
+
+def _store(root, keys_per_shard, dtype='float16'):
+    writer = FeatureStoreWriter(root, None if dtype is None else 'm', None if dtype is None else '',
+                                dim=None if dtype is None else DIM, dtype=dtype)
+    rng = np.random.default_rng(0)
+    for name, keys in keys_per_shard.items():
+        if dtype is None:
+            writer.add_shard(name, keys)
+        else:
+            features = rng.normal(size=(2, len(keys), DIM))
+            features /= np.linalg.norm(features, axis=-1, keepdims=True)
+            writer.add_shard(name, keys, features[0], features[1])
+        assert writer.finished(name)  # what resume relies on, whichever way the keys were stored
+    assert writer.close()
+    return FeatureStore.open(root)
+
+
+@pytest.mark.parametrize('dtype', ['float16', None])
+def test_consecutive_numbered_keys_cost_no_bytes_per_sample(tmp_path, dtype):
+    shards = {'00000': [f'{i:09d}' for i in range(0, 5000)], '00001': [f'{i:09d}' for i in range(10000, 12000)]}
+    store = _store(tmp_path / 'store', shards, dtype)
+    for name, keys in shards.items():
+        assert (tmp_path / 'store' / f'{name}.keys.npy').stat().st_size < 200  # a header and one record
+        assert store.keys(name).tolist() == keys
+    assert store.index_of('00001', '000010007') == 5000 + 7
+    assert store.index_of('00000', '000004999') == 4999
+
+
+@pytest.mark.parametrize('keys', [
+    ['000010', '000011', '000013'],          # a gap: not a run
+    ['9', '10', '11'],                       # consecutive, but not one width
+    ['a/x', 'b/ü-1', 'c.d'],                 # arbitrary strings, non-ASCII
+    ['0x1', '0x2'],                          # not decimal
+])
+def test_other_keys_are_stored_as_they_are(tmp_path, keys):
+    store = _store(tmp_path / 'store', {'s': keys})
+    assert store.keys('s').tolist() == keys
+    assert [store.index_of('s', k) for k in keys] == list(range(len(keys)))
+    stored = np.load(tmp_path / 'store' / 's.keys.npy')
+    assert stored.dtype.kind == 'S' and stored.shape == (len(keys),)  # UTF-8 bytes, one entry per sample
+
+
+def test_a_store_written_with_str_keys_still_reads(tmp_path):
+    store = _store(tmp_path / 'store', {'s': ['k1', 'k2']})
+    np.save(tmp_path / 'store' / 's.keys.npy', np.array(['k1', 'k2']))  # numpy's str dtype, as earlier versions wrote
+    store = FeatureStore.open(tmp_path / 'store')
+    assert store.keys('s').tolist() == ['k1', 'k2'] and store.index_of('s', 'k2') == 1
