@@ -440,6 +440,15 @@ def parse_args(argv=None):
     return args
 
 
+def reads_reference(reference: str, flags) -> bool:
+    """Whether a loss whose spec says `reference` ('required', 'optional' or 'none') reads reference features with
+    these flags: an optional reference is read for distillation (--distill-weight > 0) or a --reference-shift."""
+    if reference != 'optional':
+        return reference == 'required'
+    distill = [float(value) for flag, value in zip(flags, flags[1:]) if flag == '--distill-weight']
+    return '--reference-shift' in flags or any(weight > 0 for weight in distill)
+
+
 def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=()):
     return [*data.openclip_args(num_samples), '--model', model, '--batch-size', args.batch_size, '--epochs', epochs,
             '--lr', args.preset['lr'], '--wd', '0.1', '--warmup', '5', '--workers', '0', '--precision', 'fp32',
@@ -645,8 +654,9 @@ def main(argv=None):
     for loss in losses:
         name_and_flags = shlex.split(loss)
         spec = get_loss_spec(name_and_flags[0])
-        needs_ref = spec.reference == 'required'
-        reference_use[loss] = {'required': 'yes (required)', 'optional': 'no (optional)', 'none': 'no'}[spec.reference]
+        needs_ref = reads_reference(spec.reference, name_and_flags[1:])
+        reference_use[loss] = {'required': 'yes (required)', 'none': 'no'}.get(
+            spec.reference, 'yes (these flags)' if needs_ref else 'no (optional)')
         run_label = re.sub(r'[^A-Za-z0-9.]+', '_', loss).strip('_')  # run and folder names
         for fraction in FRACTIONS:
             epochs = round(args.epochs / fraction)

@@ -113,6 +113,18 @@ def test_shapes_fallback_preparer_builds_csvs_and_class_list(tmp_path):
     check_prepared(replication.prepare_shapes(tmp_path, n_ref=8, n_train=16, n_test=10), 8, 16, 10, num_classes=20)
 
 
+@pytest.mark.parametrize('reference, flags, reads', [
+    ('required', [], True),
+    ('none', [], False),
+    ('optional', [], False),
+    ('optional', ['--distill-weight', '0.5'], True),     # MobileCLIP-style distillation reads the reference
+    ('optional', ['--distill-weight', '0'], False),
+    ('optional', ['--rho', '3', '--reference-shift'], True),
+])
+def test_replication_passes_reference_features_when_the_flags_read_them(reference, flags, reads):
+    assert replication.reads_reference(reference, flags) is reads
+
+
 def test_overheads_smoke_writes_its_json(tmp_path):
     out = tmp_path / 'overheads'
     result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--output', str(out)],
