@@ -28,7 +28,8 @@ def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
 
 
 def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
-    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--ref-features', shapes['ref']))
+    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1',
+                            '--ref-features', shapes['ref']))
     assert 'loss_state' not in checkpoint(tmp_path, 'run', 1)
 
 
@@ -161,7 +162,8 @@ def test_corrupt_feature_file_names_the_shard(shapes, tmp_path):
 
 def test_resume_without_u_state_fails_and_keeps_the_checkpoint(shapes, tmp_path):
     # γ = 1 keeps no state; continuing with γ < 1 would silently restart every estimator
-    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--ref-features', shapes['ref']))
+    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1',
+                            '--ref-features', shapes['ref']))
     saved = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     digest = hashlib.sha256(saved.read_bytes()).hexdigest()
     result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref'], '--resume',
