@@ -301,14 +301,16 @@ def _sample_index_size(args) -> int:
     return 0  # WebDataset without a store: the loss keeps no per-sample state (check_args makes sure)
 
 
-# From `benchmarks/tiled_memory.py` on a 2-core CPU: at a global batch of 16384 the tiled core ran as fast as the
-# untiled one (72 s vs 73 s) in 1/20 of the memory, at 4096 it was up to 1.8x slower; below, untiled wins.
-AUTO_TILE_FROM_BATCH = 16384
+# The untiled core holds a few b×B matrices per rank (b local, B global batch); the tiled one never more than b×T.
+# From `benchmarks/tiled_memory.py` (one process, 1 thread, 2-core CPU): at B = 16384 (2^28 pairs, 1 GiB per float32
+# matrix) untiled needs 5.0 GiB and 28 s, tiled 0.32 GiB and 46 s; at 4096, 0.31 vs 0.14 GiB and 1.1 vs 2.6 s. Tiling
+# costs time, so it is chosen only where the untiled matrices reach gigabytes.
+AUTO_TILE_FROM_PAIRS = 1 << 28
 
 
-def auto_tile_size(global_batch: int) -> int:
+def auto_tile_size(local_batch: int, global_batch: int) -> int:
     from .losses.tiled import DEFAULT_TILE_SIZE
-    return DEFAULT_TILE_SIZE if global_batch >= AUTO_TILE_FROM_BATCH else 0
+    return DEFAULT_TILE_SIZE if local_batch * global_batch >= AUTO_TILE_FROM_PAIRS else 0
 
 
 def configure_model(model, args):
@@ -328,7 +330,7 @@ def configure_model(model, args):
     if 'embed_dim' in spec.defaults:
         options['embed_dim'] = open_clip.get_model_config(args.model)['embed_dim']
     if 'tile_size' in options and options['tile_size'] is None:
-        args.tile_size = options['tile_size'] = auto_tile_size(args.batch_size * args.world_size)
+        args.tile_size = options['tile_size'] = auto_tile_size(args.batch_size, args.batch_size * args.world_size)
     loss = build(args.loss, **options, rank=args.rank, world_size=args.world_size, local_loss=args.local_loss,
                  gather_with_grad=args.gather_with_grad)
     sharding = getattr(loss, 'sharding', None)

@@ -40,7 +40,8 @@ OPTION_HELP = dict(
     selection_ratio="fraction of the super-batch JEST keeps",
     num_chunks="number of chunks JEST draws its selection in",
     tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled; "
-              "default: tiled with 1024-column tiles from a global batch of 16384, where it measured no slower)",
+              "default: 1024-column tiles once a rank's local x global batch reaches 2^28 pairs, e.g. one process "
+              "at 16384, where the untiled matrices take gigabytes)",
     state_layout="where the per-sample tables (u, per-sample τ and its Adam moments) live: 'replicated' (all N rows on "
                  "every rank) or 'sharded' (each rank holds N/W rows and saves them in per-rank files next to the "
                  "checkpoint); 'auto': sharded from 4M samples with several ranks",
