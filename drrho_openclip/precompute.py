@@ -51,6 +51,14 @@ def _env_part():
     return 0, 1
 
 
+def default_workers() -> int:
+    """Loader workers per process: the CPU cores this process may use (its share of them when torchrun starts several
+    per node), less one for the encode loop, at most 8. Measured on 2 cores (benchmarks/precompute_throughput.py):
+    one worker beside the model reaches 0.90x the bare model, two competing with it for both cores 0.77x."""
+    cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
+    return max(1, min(8, cores - 1))
+
+
 def part_slice(count: int, part: int, num_parts: int) -> slice:
     """The contiguous slice of `count` shards computed by part `part` of `num_parts` (sizes differ by at most 1)."""
     return slice(part * count // num_parts, (part + 1) * count // num_parts)
@@ -97,7 +105,9 @@ def parse_args(argv=None):
                    help='only finish the store in <output>.partial/ once all its shards are written (needs only '
                         '--output; the last part to end does this by itself)')
     p.add_argument('--batch-size', type=int, default=None, help='images per forward pass (default: 256)')
-    p.add_argument('--workers', type=int, default=2, help='data-loading processes (each reads whole shards)')
+    p.add_argument('--workers', type=int, default=default_workers(),
+                   help='data-loading processes, each reading whole shards (default: the cores of this process less '
+                        'one, at most 8: %(default)s here)')
     default_device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else 'cpu'
     p.add_argument('--device', default=None, help=f'device of the model (default: {default_device})')
     args = _resolve_dataset_type(p.parse_args(argv))

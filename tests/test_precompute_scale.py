@@ -226,3 +226,19 @@ def test_verify_exit_status_from_the_command_line(data, tmp_path):
     result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', 'verify', str(root)],
                             capture_output=True, text=True, env=ENV)
     assert result.returncode == 1 and "PROBLEM: shard 'shard-0', file 'shard-0.features.npy'" in result.stdout
+
+
+@pytest.mark.parametrize('cores, local_world_size, workers', [
+    (2, None, 1),     # the model's loop on one core, a loader worker on the other
+    (1, None, 1),
+    (16, None, 8),    # capped
+    (16, '8', 1),     # 8 processes per node share 16 cores
+    (64, '4', 8),
+])
+def test_default_loader_workers_follow_the_cores_of_the_process(monkeypatch, cores, local_world_size, workers):
+    monkeypatch.setattr(precompute.os, 'sched_getaffinity', lambda pid: set(range(cores)))
+    if local_world_size is None:
+        monkeypatch.delenv('LOCAL_WORLD_SIZE', raising=False)
+    else:
+        monkeypatch.setenv('LOCAL_WORLD_SIZE', local_world_size)
+    assert precompute.default_workers() == workers
