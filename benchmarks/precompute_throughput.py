@@ -224,7 +224,8 @@ def main(argv=None):
     p.add_argument('--samples-per-shard', type=int, default=256)
     p.add_argument('--image-size', type=int, default=None, help="default: the model's image size")
     p.add_argument('--batch-size', type=int, default=256, help="precompute's default")
-    p.add_argument('--workers', type=int, default=2, help="precompute's default")
+    from drrho_openclip.precompute import default_workers
+    p.add_argument('--workers', type=int, default=default_workers(), help="precompute's default (%(default)s here)")
     p.add_argument('--rounds', type=int, default=None, help='default 5 (3 with --quick)')
     p.add_argument('--threads', type=int, default=1, help='torch threads of the measuring process (0: leave as is)')
     p.add_argument('--device', default='cpu')
