@@ -217,11 +217,11 @@ class _LogMeanExpRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, sim, ref_sim, inv_tau, log_w, offset):
-        ell = sim.diagonal(offset)[:, None]
+        positive_sim = sim.diagonal(offset)[:, None]
         if ref_sim is None:
-            logits = sim - ell
+            logits = sim - positive_sim
         else:
-            logits = (sim - ref_sim).sub_(ell - ref_sim.diagonal(offset)[:, None])
+            logits = (sim - ref_sim).sub_(positive_sim - ref_sim.diagonal(offset)[:, None])
         inv_tau_col = inv_tau.reshape(-1, 1) if inv_tau.dim() else inv_tau
         logits.mul_(inv_tau_col)
         if log_w is not None:
