@@ -78,9 +78,13 @@ class RowNormalizedLogWeight:
         return f'{type(self).__name__}({self.log_weight!r})'
 
 
-def _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size):
+def _check_tile_size(tile_size):
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"tile_size must be a positive int, got {tile_size!r}")
+
+
+def _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size):
+    _check_tile_size(tile_size)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
         raise ValueError(f"anchors [b, d] and candidates [B, d] expected, got {tuple(anchors.shape)} "
                          f"and {tuple(candidates.shape)}")
@@ -288,6 +292,5 @@ def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
 
 def make_tiled_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
     """An `aggregate` for `DROContrastiveLoss` (the core's signature) with the given tile size."""
-    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
-        raise ValueError(f"tile_size must be a positive int, got {tile_size!r}")
+    _check_tile_size(tile_size)
     return functools.partial(tiled_aggregate, tile_size=tile_size)
