@@ -55,7 +55,8 @@ def default_workers() -> int:
     """Loader workers per process: the CPU cores this process may use (its share of them when torchrun starts several
     per node), less one for the encode loop, at most 8. Measured on 2 cores (benchmarks/precompute_throughput.py):
     one worker beside the model reaches 0.90x the bare model, two competing with it for both cores 0.77x."""
-    cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()  # Linux / others
+    cores = usable // max(1, int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
     return max(1, min(8, cores - 1))
 
 

@@ -242,3 +242,11 @@ def test_default_loader_workers_follow_the_cores_of_the_process(monkeypatch, cor
     else:
         monkeypatch.setenv('LOCAL_WORLD_SIZE', local_world_size)
     assert precompute.default_workers() == workers
+
+
+def test_default_loader_workers_without_cpu_affinity(monkeypatch):
+    """Where the OS has no sched_getaffinity (macOS, Windows), the CPU count stands in for it."""
+    monkeypatch.delattr(precompute.os, 'sched_getaffinity')
+    monkeypatch.setattr(precompute.os, 'cpu_count', lambda: 4)
+    monkeypatch.delenv('LOCAL_WORLD_SIZE', raising=False)
+    assert precompute.default_workers() == 3
