@@ -140,7 +140,7 @@ def _flag(option: str) -> str:
 def _user_options():
     """{option: (type, [losses that have it])} over every registered loss."""
     from .losses import get_loss_spec, list_losses
-    from .losses.registry import option_names
+    from .losses import option_names
     options = {}
     for name in list_losses():
         for option in option_names(name):
@@ -153,7 +153,7 @@ def add_args(parser):
     """`--loss`, the reference-feature and sample-index flags, and one flag per loss option (registry-driven, paper
     defaults)."""
     from .losses import get_loss_spec, list_losses
-    from .losses.registry import OPTION_HELP
+    from .losses import OPTION_HELP
     g = parser.add_argument_group('drrho-openclip: reference-model steering and DRO contrastive losses')
     g.add_argument('--loss', default='clip', choices=list_losses(), metavar='NAME',
                    help='; '.join(f"{n}: {get_loss_spec(n).help}" for n in list_losses()) + ' (default: %(default)s)')
@@ -167,7 +167,7 @@ def add_args(parser):
                    help='WebDataset input, for a loss that keeps per-sample state without --ref-features: the store '
                         'whose keys index the samples (`drrho-openclip-features --keys-only`; a feature store does '
                         'too)')
-    from .losses.core import STATE_LAYOUTS
+    from .losses import STATE_LAYOUTS
     for option, (kind, losses) in sorted(_user_options().items()):
         if option in ('gamma_decay_epochs', 'tile_size', 'state_layout'):  # set from the run, whatever the loss
             text = f"{OPTION_HELP[option]} [losses: {', '.join(losses)}]"
@@ -192,8 +192,8 @@ def check_args(args, parser):
     """Validate the plugin flags against the chosen loss (a flag the loss does not read is an error) and record the
     values in force on `args` (so params.txt shows them)."""
     from .losses import create_loss as build, get_loss_spec, loss_options
-    from .losses.core import per_sample_tables
-    from .losses.registry import option_names
+    from .losses import per_sample_tables
+    from .losses import option_names
     spec = get_loss_spec(args.loss)
     own = option_names(args.loss)
     given = {o: getattr(args, o) for o in _user_options() if getattr(args, o) is not None}
@@ -309,7 +309,7 @@ AUTO_TILE_FROM_PAIRS = 1 << 28
 
 
 def auto_tile_size(local_batch: int, global_batch: int) -> int:
-    from .losses.tiled import DEFAULT_TILE_SIZE
+    from .losses import DEFAULT_TILE_SIZE
     return DEFAULT_TILE_SIZE if local_batch * global_batch >= AUTO_TILE_FROM_PAIRS else 0
 
 
@@ -322,7 +322,7 @@ def configure_model(model, args):
     import open_clip
     import torch
     from .losses import attach_to_model, create_loss as build, get_loss_spec
-    from .losses.registry import option_names
+    from .losses import option_names
     spec = get_loss_spec(args.loss)
     options = {o: getattr(args, o) for o in option_names(args.loss)}
     if spec.stateful:
@@ -400,8 +400,8 @@ def checkpoint_loss_state(loss, loss_state, completed_epoch, args):
     if not _writes_checkpoint(completed_epoch, args):
         return {}
     import os
-    from .losses.core import per_sample_tables
-    from .losses.state_shards import save_state_shards
+    from .losses import per_sample_tables
+    from .losses import save_state_shards
     directory = os.path.join(args.checkpoint_path, f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}')
     manifest = save_state_shards(loss, directory)
     tables = per_sample_tables(loss)
@@ -414,7 +414,7 @@ def resolve_loss_state(loss, loss_state, args):
     if manifest is None:
         return loss_state
     import os
-    from .losses.state_shards import load_state_shards
+    from .losses import load_state_shards
     if '://' in str(args.resume):
         raise RuntimeError(f"the per-sample state of this checkpoint is a shard set next to it: resume from a local "
                            f"(or mounted) copy of the checkpoint directory, with its "
