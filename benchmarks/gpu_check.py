@@ -1,0 +1,276 @@
+"""GPU check: every registered loss trained for a few steps through OpenCLIP's own `open_clip_train.main` on one
+GPU, precompute with a ViT-B-32-sized model, and the collectives' device discipline with two ranks on one GPU.
+
+    python benchmarks/gpu_check.py                          # on a machine with a CUDA GPU
+    python benchmarks/gpu_check.py --device cpu --quick     # the same checks on the CPU (fp32, gloo): tries the script
+
+Cases (each passes or fails on its own; the exit status is 0 only if every case passed):
+- train/LOSS/PRECISION: every registered loss, `--precision amp_bf16` and `amp` (fp32 on the CPU), 2 epochs of a
+  tiny CLIP on drawn shapes, reference features precomputed on the device where the loss reads them;
+- train/LOSS/sharded, train/LOSS/tiled: every stateful loss with `--state-layout sharded` (one rank), every tileable
+  loss with `--tile-size 16`; train/drrho/online-reference: the reference model run by the plugin (`--ref-model`);
+- resume/...: a run continued with `--resume latest` (replicated, sharded and tiled state, per-sample τ, TempNet);
+- precompute/ViT-B-32: `drrho-openclip-features` with a randomly initialised ViT-B-32 on the device, then `verify`;
+- two-ranks/...: two processes on one GPU in a `cuda:gloo` process group, which, like NCCL, rejects a CPU tensor in
+  any collective (NCCL itself refuses two ranks on one GPU); each rank holds half of a global batch on the device,
+  and the loss value, the features' gradients and the per-sample state must equal one process with the whole batch.
+
+Writes benchmarks/results/gpu_check.md and .json (or --out) with the device's name.
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / 'results'
+TILEABLE = ('drrho', 'sogclr', 'fastclip', 'isogclr', 'tempnet', 'adnce')
+TWO_RANK_CASES = {  # name: (loss, options)
+    'drrho': ('drrho', dict(gamma=0.5, temperature=0.05)),
+    'drrho-sharded': ('drrho', dict(gamma=0.5, temperature=0.05, state_layout='sharded')),
+    'drrho-tiled-sharded': ('drrho', dict(gamma=0.5, temperature=0.05, tile_size=5, state_layout='sharded')),
+    'drrho-learnable+kd': ('drrho', dict(gamma=0.5, learn_temperature=True, rho=1.0, distill_weight=0.3)),
+    'sogclr': ('sogclr', dict(gamma=0.5)),
+    'fastclip': ('fastclip', dict(gamma=0.5)),
+    'isogclr-sharded': ('isogclr', dict(gamma=0.5, lr_tau=0.01, state_layout='sharded')),
+    'tempnet-sharded': ('tempnet', dict(gamma=0.5, embed_dim=8, tempnet_width=8, tempnet_prototypes=4,
+                                        state_layout='sharded')),
+    'adnce': ('adnce', dict(adnce_sigma=0.3)),
+    'balanced': ('balanced', dict(balance_steps=3, reference_shift=True)),
+}
+WORLD, LOCAL_BATCH, DIM, NUM_SAMPLES = 2, 6, 8, 24
+
+
+def _run(name, cmd, log: Path, env=None):
+    """One case as a subprocess: (name, passed, seconds, the log's tail when it failed)."""
+    start = time.perf_counter()
+    with open(log, 'w') as f:
+        code = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    tail = '' if code == 0 else '\n'.join(log.read_text(errors='replace').splitlines()[-15:])
+    return name, code == 0, time.perf_counter() - start, tail
+
+
+def _train(model, csv, logs, name, device, precision, epochs, extra=()):
+    return [sys.executable, '-m', 'open_clip_train.main', '--', '--train-data', csv, '--dataset-type', 'csv',
+            '--csv-separator', '\t', '--csv-img-key', 'filepath', '--csv-caption-key', 'title', '--model', model,
+            '--batch-size', 32, '--epochs', epochs, '--lr', 1e-3, '--warmup', 2, '--workers', 1, '--seed', 0,
+            '--precision', precision, '--device', device, '--logs', logs, '--name', name, '--save-frequency', 1,
+            '--log-every-n-steps', 4, *extra]
+
+
+def training_cases(work: Path, device: str, quick: bool):
+    """[(name, command)] of the training and resume runs, and the set-up they need (data, reference, features)."""
+    from drrho_openclip.demo import make_split, write_tiny_model
+    from drrho_openclip.losses import get_loss_spec, list_losses
+    data = work / 'data'
+    csv, ref_csv = make_split(data, 'train', 256, seed=2), make_split(data, 'reference', 256, seed=1)
+    model = write_tiny_model(work / 'tiny_model')
+    logs = work / 'logs'
+    precisions = ('fp32',) if device == 'cpu' else ('amp_bf16', 'amp')
+    setup = [_train(model, ref_csv, logs, 'reference', device, precisions[0], 1)]
+    reference = logs / 'reference' / 'checkpoints' / 'epoch_1.pt'
+    features = work / 'ref_features'
+    setup.append([sys.executable, '-m', 'drrho_openclip.precompute', '--model', model, '--pretrained', reference,
+                  '--train-data', csv, '--output', features, '--workers', 1, '--device', device])
+    losses = ('drrho', 'isogclr', 'tempnet', 'clip') if quick else list_losses()
+    cases = []
+    for loss in losses:
+        spec = get_loss_spec(loss)
+        flags = ['--loss', loss] + (['--ref-features', features] if spec.reference == 'required' else [])
+        for precision in precisions:
+            cases.append((f'train/{loss}/{precision}', _train(model, csv, logs, f'{loss}-{precision}', device,
+                                                              precision, 2, flags)))
+        if spec.stateful:
+            cases.append((f'train/{loss}/sharded', _train(model, csv, logs, f'{loss}-sharded', device, precisions[0],
+                                                          2, flags + ['--state-layout', 'sharded'])))
+        if loss in TILEABLE:
+            cases.append((f'train/{loss}/tiled', _train(model, csv, logs, f'{loss}-tiled', device, precisions[0], 2,
+                                                        flags + ['--tile-size', 16])))
+    cases.append(('train/drrho/online-reference',
+                  _train(model, csv, logs, 'drrho-online', device, precisions[0], 2,
+                         ['--loss', 'drrho', '--ref-model', model, '--ref-pretrained', reference])))
+    resumes = {'drrho': [], 'drrho-sharded': ['--state-layout', 'sharded'], 'drrho-tiled': ['--tile-size', 16],
+               'isogclr': [], 'tempnet': []}
+    resume_runs = []
+    for name, extra in resumes.items():
+        loss = name.split('-')[0]
+        flags = ['--loss', loss, *extra] + (['--ref-features', features] if loss == 'drrho' else [])
+        first = _train(model, csv, logs, f'resume-{name}', device, precisions[0], 1, flags)
+        resumed = _train(model, csv, logs, f'resume-{name}', device, precisions[0], 2, flags + ['--resume', 'latest'])
+        resume_runs.append((f'resume/{name}', first, resumed))
+    return setup, cases, resume_runs
+
+
+def precompute_case(work: Path, device: str):
+    """A randomly initialised ViT-B-32 (224 px; nothing downloads) over 256 drawn images, then `verify`."""
+    from drrho_openclip.demo import make_split
+    csv = make_split(work / 'data224', 'train', 256, seed=4)
+    out = work / 'vit_b_32_features'
+    compute = [sys.executable, '-m', 'drrho_openclip.precompute', '--model', 'ViT-B-32', '--train-data', csv,
+               '--output', out, '--device', device, '--batch-size', 128]
+    verify = [sys.executable, '-c', 'import sys; from drrho_openclip.precompute import verify; '
+                                    'sys.exit(verify(sys.argv[1:]))', out, '--train-data', csv]
+    return compute, verify
+
+
+# ---- two ranks on one device
+
+
+def _batch(step, device):
+    g = torch.Generator().manual_seed(step)
+    n = WORLD * LOCAL_BATCH
+    normal = lambda d: torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    image, text, ref_image, ref_text = normal(DIM), normal(DIM), normal(DIM - 2), normal(DIM - 2)
+    index = torch.randperm(NUM_SAMPLES, generator=g)[:n]
+    return [t.to(device) for t in (image, text, ref_image, ref_text, index)]
+
+
+def _steps(case, rank, world_size, device):
+    """Per step: the loss value and the gradients of this rank's features; then the whole per-sample state."""
+    from drrho_openclip.losses import create_loss, per_sample_tables
+    loss_name, options = TWO_RANK_CASES[case]
+    torch.manual_seed(0)
+    loss = create_loss(loss_name, num_samples=NUM_SAMPLES, rank=rank, world_size=world_size, **options).to(device)
+    logit_scale = torch.tensor(1 / 0.07, device=device).log().exp().requires_grad_()
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH) if world_size > 1 else slice(None)
+    out = []
+    for step, epoch in enumerate((0, 1)):
+        loss.set_epoch(epoch) if hasattr(loss, 'set_epoch') else None
+        image, text, ref_image, ref_text, index = _batch(step, device)
+        image, text = image[rows].clone().requires_grad_(), text[rows].clone().requires_grad_()
+        value = loss(image, text, logit_scale, index=index[rows], ref_image_features=ref_image[rows],
+                     ref_text_features=ref_text[rows])
+        value.backward()
+        out.append([value.detach(), image.grad, text.grad])
+    tables = per_sample_tables(loss)
+    state = {key: getattr(module, key.rsplit('.', 1)[-1]) for key, (module, _) in tables.items()}
+    sharded = any(sharding.sharded for _, sharding in tables.values())
+    return out, state, sharded
+
+
+def _two_rank_worker(rank, case, device, port, results):
+    import torch.distributed as dist
+    backend = 'gloo' if device == 'cpu' else 'cuda:gloo'
+    dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=WORLD)
+    try:
+        steps, state, sharded = _steps(case, rank, WORLD, device)
+        if sharded:  # every rank's block, concatenated in rank order, is the whole table
+            state = {k: torch.cat(_gather_objects(v.cpu(), dist)) for k, v in state.items()}
+        results[rank] = ([[t.cpu() for t in step] for step in steps], {k: v.cpu() for k, v in state.items()})
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_objects(tensor, dist):
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensor)
+    return parts
+
+
+def two_rank_case(case, device, port):
+    import torch.multiprocessing as mp
+    start = time.perf_counter()
+    try:
+        whole_steps, whole_state, _ = _steps(case, 0, 1, device)
+        with mp.Manager() as manager:
+            results = manager.dict()
+            mp.spawn(_two_rank_worker, args=(case, device, port, results), nprocs=WORLD)
+            ranks = [results[r] for r in range(WORLD)]
+        for step, whole in enumerate(whole_steps):
+            value, image_grad, text_grad = (t.cpu() for t in whole)
+            parts = [ranks[r][0][step] for r in range(WORLD)]
+            # loss value: the mean over ranks (DDP averages); gradients: each rank's rows, summed over ranks by
+            # the gather's backward, i.e. WORLD × the one-process gradient of the mean loss
+            torch.testing.assert_close(sum(p[0] for p in parts) / WORLD, value, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.cat([p[1] for p in parts]) / WORLD, image_grad, rtol=1e-3, atol=1e-5)
+            torch.testing.assert_close(torch.cat([p[2] for p in parts]) / WORLD, text_grad, rtol=1e-3, atol=1e-5)
+        for key, table in whole_state.items():
+            torch.testing.assert_close(ranks[0][1][key], table.cpu(), rtol=1e-4, atol=1e-5, equal_nan=True)
+        return f'two-ranks/{case}', True, time.perf_counter() - start, ''
+    except Exception as error:  # noqa: BLE001 - every case reports on its own
+        return f'two-ranks/{case}', False, time.perf_counter() - start, f'{type(error).__name__}: {error}'
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--device', default='cuda', help="'cuda' (default) or 'cpu' to try the script")
+    p.add_argument('--quick', action='store_true', help='four losses instead of all')
+    p.add_argument('--parallel', type=int, default=4, help='training runs at a time (default: %(default)s)')
+    p.add_argument('--workdir', default=None, help='data, features and runs (default: a temporary directory)')
+    p.add_argument('--out', default=str(RESULTS / 'gpu_check'), help='results prefix (.md and .json are added)')
+    args = p.parse_args(argv)
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this check is for a GPU machine (try it on the CPU with --device cpu)")
+    device_name = torch.cuda.get_device_name() if args.device == 'cuda' else f'CPU ({platform.processor()})'
+    work = Path(args.workdir or tempfile.mkdtemp(prefix='gpu_check_'))
+    logs = work / 'case_logs'
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1'}
+    results = []
+
+    def record(result):
+        results.append(result)
+        print(f"{'ok  ' if result[1] else 'FAIL'} {result[0]} ({result[2]:.0f} s)", flush=True)
+        if not result[1]:
+            print('    ' + result[3].replace('\n', '\n    '), flush=True)
+
+    setup, cases, resumes = training_cases(work, args.device, args.quick)
+    for k, cmd in enumerate(setup):
+        record(_run(f'setup/{k}', cmd, logs / f'setup{k}.log', env))
+    compute, verify = precompute_case(work, args.device)
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        jobs = [pool.submit(_run, name, cmd, logs / (name.replace('/', '_') + '.log'), env) for name, cmd in cases]
+        jobs += [pool.submit(lambda r=r: _run_resume(r, logs, env)) for r in resumes]
+        jobs.append(pool.submit(lambda: _run_pair('precompute/ViT-B-32', compute, verify, logs, env)))
+        for job in concurrent.futures.as_completed(jobs):
+            record(job.result())
+    for k, case in enumerate(TWO_RANK_CASES):
+        record(two_rank_case(case, args.device, 29500 + k))
+
+    passed = sum(r[1] for r in results)
+    summary = dict(device=device_name, torch=torch.__version__, python=platform.python_version(),
+                   passed=passed, failed=len(results) - passed,
+                   cases=[dict(case=n, passed=ok, seconds=round(s, 1), error=e) for n, ok, s, e in sorted(results)])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix('.json').write_text(json.dumps(summary, indent=1))
+    lines = [f"# GPU check on {device_name}", '',
+             f"torch {torch.__version__}, Python {platform.python_version()}: {passed} passed, "
+             f"{len(results) - passed} failed (`python benchmarks/gpu_check.py"
+             f"{' ' + ' '.join(argv or sys.argv[1:]) if (argv or sys.argv[1:]) else ''}`)", '',
+             '| case | result | seconds |', '|---|---|---|']
+    lines += [f"| {c['case']} | {'ok' if c['passed'] else 'FAILED: ' + c['error'].splitlines()[-1][:120]} | "
+              f"{c['seconds']} |" for c in summary['cases']]
+    out.with_suffix('.md').write_text('\n'.join(lines) + '\n')
+    print(f"\n{passed} passed, {len(results) - passed} failed; {out.with_suffix('.md')}; logs in {logs}")
+    return 0 if passed == len(results) else 1
+
+
+def _run_pair(name, first, second, logs, env, expect=None):
+    """A case of two commands, the second only after the first passed (e.g. train, then resume); `expect`: a line the
+    second one's output must contain."""
+    log = logs / (name.replace('/', '_') + '.log')
+    first_result = _run(name, first, log, env)
+    if not first_result[1]:
+        return first_result
+    second_log = log.with_suffix('.second.log')
+    _, passed, seconds, tail = _run(name, second, second_log, env)
+    if passed and expect is not None and expect not in second_log.read_text(errors='replace'):
+        passed, tail = False, f"'{expect}' not in {second_log}"
+    return name, passed, first_result[2] + seconds, tail
+
+
+def _run_resume(resume, logs, env):
+    name, first, resumed = resume
+    return _run_pair(name, first, resumed, logs, env, expect='=> resuming checkpoint')
+
+
+if __name__ == '__main__':
+    sys.exit(main())
