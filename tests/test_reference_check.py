@@ -1,0 +1,112 @@
+"""`drrho-openclip-features check`: the reference's retrieval, its margins and the DRO weights' effective number of
+negatives, against float64 computations from their definitions, and the verdict a user reads."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from drrho_openclip.features import FeatureStoreWriter
+from drrho_openclip.reference_check import (MIN_EFFECTIVE_NEGATIVES, batch_margins, check, effective_negatives,
+                                            main, retrieval, suggest_temperature)
+
+
+def write_store(root, image, text, dtype='float32'):
+    writer = FeatureStoreWriter(root, 'm', '', dim=image.shape[1], dtype=dtype)
+    writer.add_shard('part', [f'k{i}' for i in range(len(image))], image, text)
+    writer.close()
+    return root
+
+
+def unit(x):
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_effective_negatives_from_the_definition():
+    g = torch.Generator().manual_seed(0)
+    margins = torch.randn(7, 9, generator=g, dtype=torch.float64) * 0.3
+    for tau in (0.01, 0.1, 1.0):
+        got = effective_negatives(margins, tau)
+        for row, m in zip(got, margins):
+            p = np.exp(m.numpy() / tau - np.max(m.numpy() / tau))
+            p /= p.sum()
+            assert row.item() == pytest.approx(np.exp(-(p[p > 0] * np.log(p[p > 0])).sum()), rel=1e-9)
+    assert torch.allclose(effective_negatives(torch.zeros(3, 9, dtype=torch.float64), 0.05),
+                          torch.full((3,), 9.0, dtype=torch.float64))  # equal margins: every negative counts
+
+
+def test_retrieval_and_margins_from_the_definition():
+    g = torch.Generator().manual_seed(1)
+    image = torch.nn.functional.normalize(torch.randn(50, 8, generator=g, dtype=torch.float64), dim=1)
+    text = torch.nn.functional.normalize(image + 0.7 * torch.randn(50, 8, generator=g, dtype=torch.float64), dim=1)
+    sim = (image @ text.T).numpy()
+    expected = {}
+    for name, s in (('image_to_text', sim), ('text_to_image', sim.T)):
+        ranks = [(row > row[i]).sum() for i, row in enumerate(s)]
+        for k in (1, 5):
+            expected[f'{name}_R@{k}'] = 100 * np.mean([r < k for r in ranks])
+    assert retrieval(image, text) == pytest.approx(expected)
+    margins = batch_margins(image, text, batch_size=10, batches=2, seed=0)
+    assert margins.shape == (2 * 2 * 10, 9)
+    # the first batch's image anchors: s_ii − s_ij over its 9 other texts, in column order
+    pick = torch.randperm(50, generator=torch.Generator().manual_seed(1))[:10].numpy()
+    block = sim[np.ix_(pick, pick)]
+    expected = np.stack([block[i, i] - np.delete(block[i], i) for i in range(10)])
+    np.testing.assert_allclose(margins[:10].numpy(), expected, rtol=1e-12)
+    # the text anchors of the same batch: the transposed block
+    expected_text = np.stack([block[i, i] - np.delete(block[:, i], i) for i in range(10)])
+    np.testing.assert_allclose(margins[10:20].numpy(), expected_text, rtol=1e-12)
+
+
+def test_a_faithful_reference_beats_a_random_one(tmp_path):
+    rng = np.random.default_rng(0)
+    image = unit(rng.standard_normal((400, 16)))
+    good = write_store(tmp_path / 'good', image, unit(image + 0.1 * rng.standard_normal((400, 16))))
+    bad = write_store(tmp_path / 'bad', image, unit(rng.standard_normal((400, 16))))
+    good_report, bad_report = check(good, batch_size=64), check(bad, batch_size=64)
+    assert good_report.retrieval['image_to_text_R@1'] > 95
+    assert bad_report.retrieval['image_to_text_R@1'] < 5
+    assert good_report.margin['negative_fraction'] < 0.01 < bad_report.margin['negative_fraction']
+    assert any('barely better than chance' in line for line in bad_report.verdict)
+    assert not any('barely better than chance' in line for line in good_report.verdict)
+    for report in (good_report, bad_report):
+        medians = [report.effective_negatives[t] for t in sorted(report.effective_negatives)]
+        assert medians == sorted(medians) and 1 <= medians[0] and medians[-1] <= 63  # more spread as τ grows
+        assert report.suggested_temperature == suggest_temperature(report.effective_negatives)
+
+
+def test_suggested_temperature_is_the_smallest_that_spreads_enough():
+    medians = {0.01: 1.5, 0.03: MIN_EFFECTIVE_NEGATIVES - 0.1, 0.07: MIN_EFFECTIVE_NEGATIVES, 0.1: 30.0}
+    assert suggest_temperature(medians) == 0.07
+    assert suggest_temperature({0.01: 1.0, 0.2: 2.0}) == 0.2  # none spreads enough: the largest of the grid
+
+
+def test_larger_batches_get_a_smaller_or_equal_temperature(tmp_path):
+    rng = np.random.default_rng(2)
+    image = unit(rng.standard_normal((2000, 16)))
+    store = write_store(tmp_path / 's', image, unit(image + 0.8 * rng.standard_normal((2000, 16))))
+    small, large = check(store, batch_size=32), check(store, batch_size=1024)
+    assert large.suggested_temperature <= small.suggested_temperature
+    assert large.effective_negatives[0.05] > small.effective_negatives[0.05]
+
+
+def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    image = unit(rng.standard_normal((200, 8)))
+    store = write_store(tmp_path / 's', image, unit(image + 0.3 * rng.standard_normal((200, 8))), dtype='float16')
+    assert main([str(store), '--batch-size', '64', '--temperature', '0.01', '--json', str(tmp_path / 'r.json')]) == 0
+    out = capsys.readouterr().out
+    assert 'retrieval (%)' in out and 'Suggested: --temperature' in out
+    assert 'At τ = 0.01 and batch 64' in out
+    saved = json.loads((tmp_path / 'r.json').read_text())
+    assert saved['batch_size'] == 64 and saved['temperature'] == 0.01
+
+
+def test_keys_only_store_is_refused_by_name(tmp_path, capsys):
+    writer = FeatureStoreWriter(tmp_path / 'keys', None, None, dtype=None)
+    writer.add_shard('part', ['a', 'b', 'c'])
+    writer.close()
+    assert main([str(tmp_path / 'keys'), '--batch-size', '4']) == 1
+    assert f"'{tmp_path / 'keys'}' is a keys-only store" in capsys.readouterr().out
+    assert main([str(tmp_path / 'missing'), '--batch-size', '4']) == 1
+    assert 'does not exist' in capsys.readouterr().out
