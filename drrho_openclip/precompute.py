@@ -83,7 +83,8 @@ def _resolve_dataset_type(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='drrho-openclip-features', description=__doc__.split('\n')[0],
-                                epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]',
+                                epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]; judge its reference model: '
+                                       'drrho-openclip-features check DIR --batch-size GLOBAL_BATCH',
                                 allow_abbrev=False)
     p.add_argument('--model', help='OpenCLIP model name or local-dir:PATH')
     p.add_argument('--pretrained', default=None, help='pretrained tag or local checkpoint file')
@@ -312,6 +313,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if argv[:1] == ['verify']:
         return verify(argv[1:])
+    if argv[:1] == ['check']:
+        from .reference_check import main as check
+        return check(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
