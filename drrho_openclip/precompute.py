@@ -83,8 +83,8 @@ def _resolve_dataset_type(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='drrho-openclip-features', description=__doc__.split('\n')[0],
-                                epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]; judge its reference model: '
-                                       'drrho-openclip-features check DIR --batch-size GLOBAL_BATCH',
+                                epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]; judge its '
+                                       'reference model: drrho-openclip-features check DIR --batch-size BATCH',
                                 allow_abbrev=False)
     p.add_argument('--model', help='OpenCLIP model name or local-dir:PATH')
     p.add_argument('--pretrained', default=None, help='pretrained tag or local checkpoint file')

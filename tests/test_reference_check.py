@@ -102,6 +102,15 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
     assert saved['batch_size'] == 64 and saved['temperature'] == 0.01
 
 
+def test_features_command_dispatches_check(tmp_path, capsys):
+    from drrho_openclip.precompute import main as features_command
+    rng = np.random.default_rng(4)
+    image = unit(rng.standard_normal((50, 8)))
+    store = write_store(tmp_path / 's', image, image)
+    assert features_command(['check', str(store), '--batch-size', '16']) == 0
+    assert 'image_to_text_R@1 100.0' in capsys.readouterr().out
+
+
 def test_keys_only_store_is_refused_by_name(tmp_path, capsys):
     writer = FeatureStoreWriter(tmp_path / 'keys', None, None, dtype=None)
     writer.add_shard('part', ['a', 'b', 'c'])
