@@ -3,6 +3,8 @@
     python benchmarks/overheads.py                 # CPU: global batch 256, 1024, 4096; d = 512 (about 10 minutes)
     python benchmarks/overheads.py --smoke         # tiny batches, two losses' memory, one training pair (seconds)
     python benchmarks/overheads.py --device cuda   # GPU: bf16 autocast, global batch 256 … 32768
+    python benchmarks/overheads.py --device cuda --precision fp32 --train-model ViT-B-32 --train-batch 4096 \
+        --grad-checkpointing                       # GPU: float32 losses; a ViT-B-32 training step
 
 Writes `benchmarks/results/overheads[_smoke|_cuda].json` and `.md`. CPU measurements use `--threads` torch threads
 (default 1, in every measured process): on a shared, oversubscribed CPU, OpenMP's barriers stall small operations by
@@ -10,14 +12,16 @@ whole scheduler time slices, which would swamp the differences measured here.
 
 1. Loss forward + backward, world size 1 (local batch = global batch), of every registered loss (`list_losses()`)
    and of `open_clip.loss.ClipLoss` (the yardstick; the registered `clip` is the same class, a sanity check),
-   on unit-norm features of dimension d with `requires_grad`, float32 on CPU, bf16 under autocast on CUDA. Each
+   on unit-norm features of dimension d with `requires_grad`, float32 on CPU, on CUDA bf16 under autocast (what a
+   model under `--precision amp_bf16` hands its loss) or float32 with `--precision fp32`. Each
    loss gets what it reads in training: the sample index (0..B−1) when stateful, reference features (unit-norm,
    dimension d) when its spec requires them; per-sample tables are sized B; tempnet gets embed_dim = d.
    Time: every loss is built once and called once (warm-up); then `--repeats` rounds, each calling every loss once
    in an order rotated from round to round (interleaved, so slow drift of a shared machine hits all alike). The
    ratio of a loss is computed per round (its time / ClipLoss's time in that round) and reported as the median and
    [min, max] over rounds; absolute times are medians.
-2. Training step, `--loss drrho --ref-features` vs `--loss clip`, same model (the demo's tiny CLIP), batch and
+2. Training step, `--loss drrho --ref-features` vs `--loss clip`, same model (the demo's tiny CLIP, or
+   `--train-model`, randomly initialised), batch and
    data (the demo's shapes; features of a randomly initialised reference, which costs the same as a trained one),
    through OpenCLIP's own `open_clip_train.main`, each run in a fresh process, the two alternating for
    `--train-repeats` rounds. Step time is OpenCLIP's logged `Batch (t)` of every step (`--log-every-n-steps 1`;
@@ -94,12 +98,12 @@ class PeakMemory:
 class LossCase:
     """One loss with its inputs at global batch B: `run()` is one forward + backward."""
 
-    def __init__(self, name, batch, dim, device, seed=0):
+    def __init__(self, name, batch, dim, device, precision='bf16', seed=0):
         import torch
         import torch.nn.functional as F
         from drrho_openclip.losses import create_loss, get_loss_spec
         self.name, self.device = name, device
-        self.dtype = torch.bfloat16 if device.startswith('cuda') else torch.float32
+        self.dtype = torch.bfloat16 if device.startswith('cuda') and precision == 'bf16' else torch.float32
         g = torch.Generator(device='cpu').manual_seed(seed)
         unit = lambda: F.normalize(torch.randn(batch, dim, generator=g), dim=-1).to(device, self.dtype)
         self.image, self.text = unit().requires_grad_(), unit().requires_grad_()
@@ -132,11 +136,11 @@ class LossCase:
             torch.cuda.synchronize()
 
 
-def time_losses(names, sizes, dim, device, repeats):
+def time_losses(names, sizes, dim, device, precision, repeats):
     """{B: {name: [seconds per round]}}, interleaved rounds (see the module docstring)."""
     times = {}
     for batch in sizes:
-        cases = [LossCase(n, batch, dim, device) for n in names]
+        cases = [LossCase(n, batch, dim, device, precision) for n in names]
         for case in cases:
             case.run()
         times[batch] = {n: [] for n in names}
@@ -151,10 +155,10 @@ def time_losses(names, sizes, dim, device, repeats):
     return times
 
 
-def memory_worker(name, batch, dim, device):
+def memory_worker(name, batch, dim, device, precision):
     """In a fresh process: the peak memory of one forward + backward of one loss."""
-    LossCase(name, 8, dim, device).run()  # loads the kernels outside the measured region
-    case = LossCase(name, batch, dim, device, seed=1)
+    LossCase(name, 8, dim, device, precision).run()  # loads the kernels outside the measured region
+    case = LossCase(name, batch, dim, device, precision, seed=1)
     tracker = PeakMemory(device)
     tracker.start()
     case.run()
@@ -194,10 +198,10 @@ def step_times(log_file: Path, batch):
     return [(t, t - d) for t, d in steps[WARMUP_STEPS:]]
 
 
-def prepare_training(work: Path, samples, device):
+def prepare_training(work: Path, samples, device, model=None):
     from drrho_openclip.demo import make_split, write_tiny_model
     csv = make_split(work / 'data', 'train', samples, seed=0)
-    model = write_tiny_model(work / 'tiny_model')
+    model = model or write_tiny_model(work / 'tiny_model')
     features = work / 'ref_features'
     from drrho_openclip.precompute import main as precompute
     precompute(['--model', model, '--train-data', str(csv), '--output', str(features), '--workers', '0',
@@ -205,8 +209,8 @@ def prepare_training(work: Path, samples, device):
     return csv, model, features
 
 
-def time_training(work, samples, batch, repeats, device):
-    csv, model, features = prepare_training(work, samples, device)
+def time_training(work, samples, batch, repeats, device, model=None, grad_checkpointing=False):
+    csv, model, features = prepare_training(work, samples, device, model)
     cuda = device.startswith('cuda')
     configs = {'clip': [], 'drrho': ['--loss', 'drrho', '--ref-features', features]}
     results = {c: dict(step=[], compute=[], peak_bytes=[]) for c in configs}
@@ -218,7 +222,7 @@ def time_training(work, samples, batch, repeats, device):
                     '--epochs', 1, '--lr', '1e-3', '--warmup', 2, '--workers', 4 if cuda else 0,
                     '--precision', 'amp_bf16' if cuda else 'fp32', '--device', device, '--seed', 0,
                     '--logs', work / 'logs', '--name', name, '--save-frequency', 0, '--log-every-n-steps', 1,
-                    *configs[config]]
+                    *(['--grad-checkpointing'] if grad_checkpointing else []), *configs[config]]
             out = in_fresh_process('--train-worker', json.dumps([str(a) for a in argv]))
             steps = step_times(work / 'logs' / name / 'out.log', batch)
             results[config]['step'] += [s for s, _ in steps]
@@ -271,7 +275,7 @@ def summarize(loss_times, loss_memory, training):
 def markdown(report) -> str:
     s, c = report['summary'], report['config']
     lines = [f"# Overheads vs OpenCLIP ({c['device_name']})", '',
-             f"{report['machine']}. d = {c['dim']}, world size 1, {'bf16 autocast' if c['cuda'] else 'float32'}. "
+             f"{report['machine']}. d = {c['dim']}, world size 1, {'bf16 autocast' if c['cuda'] and c.get('precision') == 'bf16' else 'float32'}. "
              f"Loss: median of {c['repeats']} interleaved rounds; ratio = per-round time / ClipLoss's time in the "
              f"same round, median [min–max]. Memory: {report['loss_memory_method']}, each configuration in a "
              f"fresh process.", '',
@@ -325,15 +329,21 @@ def main(argv=None):
                    help='torch threads, here and in every measured process (default: %(default)s: on a shared, '
                         'oversubscribed CPU, OpenMP barriers stall small ops by whole scheduler slices)')
     p.add_argument('--repeats', type=int, default=7, help='interleaved rounds of the loss timings')
+    p.add_argument('--precision', choices=('bf16', 'fp32'), default='bf16',
+                   help='CUDA loss timings: bf16 features under bf16 autocast, or float32 (default: %(default)s)')
     p.add_argument('--train-batch', type=int, help='training-step batch (default: 256 CPU, 1024 CUDA)')
+    p.add_argument('--train-model', default=None,
+                   help="OpenCLIP model of the training step, randomly initialised (default: the demo's tiny CLIP)")
+    p.add_argument('--grad-checkpointing', action='store_true', help='training step with gradient checkpointing')
     p.add_argument('--train-repeats', type=int, default=3, help='rounds of the training pair')
     p.add_argument('--output', help='output path without suffix (default: benchmarks/results/overheads[_smoke|_cuda])')
-    p.add_argument('--memory-worker', nargs=4, metavar=('LOSS', 'BATCH', 'DIM', 'DEVICE'), help=argparse.SUPPRESS)
+    p.add_argument('--memory-worker', nargs=5, metavar=('LOSS', 'BATCH', 'DIM', 'DEVICE', 'PRECISION'),
+                   help=argparse.SUPPRESS)
     p.add_argument('--train-worker', metavar='ARGV_JSON', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.memory_worker:
-        name, batch, dim, device = args.memory_worker
-        return memory_worker(name, int(batch), int(dim), device)
+        name, batch, dim, device, precision = args.memory_worker
+        return memory_worker(name, int(batch), int(dim), device, precision)
     if args.train_worker:
         return train_worker(args.train_worker)
 
@@ -356,33 +366,36 @@ def main(argv=None):
     start = time.time()
 
     print(f"[1/3] loss forward+backward time: {len(names)} losses x B {sizes}, d {dim}, {repeats} rounds", flush=True)
-    loss_times = time_losses(names, sizes, dim, args.device, repeats)
+    loss_times = time_losses(names, sizes, dim, args.device, args.precision, repeats)
     print("[2/3] loss peak memory, one fresh process per configuration", flush=True)
     loss_memory, memory_method = {}, None
     for batch in memory_sizes:
         for name in memory_names:
-            out = in_fresh_process('--memory-worker', name, batch, dim, args.device)
+            out = in_fresh_process('--memory-worker', name, batch, dim, args.device, args.precision)
             loss_memory.setdefault(batch, {})[name] = out['peak_bytes']
             memory_method = out['method']
         print(f"  B={batch}: " + ', '.join(f"{n} {b / 2 ** 20:.1f} MiB" for n, b in loss_memory[batch].items()),
               flush=True)
     print(f"[3/3] training step: --loss drrho vs --loss clip, batch {train_batch}, {train_repeats} rounds", flush=True)
-    out = Path(args.output) if args.output else HERE / 'results' / f"overheads{'' if mode == 'cpu' else '_' + mode}"
+    suffix = '' if mode == 'cpu' else '_' + mode + ('_fp32' if cuda and args.precision == 'fp32' else '')
+    out = Path(args.output) if args.output else HERE / 'results' / f"overheads{suffix}"
     work = out.parent / 'tmp' / out.name  # data, features and training logs
     if work.exists():
         import shutil
         shutil.rmtree(work)
-    training = time_training(work, train_samples, train_batch, train_repeats, args.device)
+    training = time_training(work, train_samples, train_batch, train_repeats, args.device, args.train_model,
+                             args.grad_checkpointing)
 
     summary = summarize(loss_times, loss_memory, training)
     report = dict(
-        config=dict(device=args.device, cuda=cuda, dim=dim, sizes=sizes, repeats=repeats, memory_sizes=memory_sizes,
+        config=dict(device=args.device, cuda=cuda, precision=args.precision if cuda else 'fp32', dim=dim, sizes=sizes, repeats=repeats, memory_sizes=memory_sizes,
                     device_name=torch.cuda.get_device_name() if cuda else
                     f"CPU, {platform.processor() or platform.machine()}"),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                 f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} (1 min) at the end",
         loss_memory_method=memory_method, training_memory_method=training.pop('memory_method'),
-        training_config=dict(model="the demo's tiny CLIP", batch=train_batch, samples=train_samples,
+        training_config=dict(model=args.train_model or "the demo's tiny CLIP", batch=train_batch,
+                             grad_checkpointing=args.grad_checkpointing, samples=train_samples,
                              repeats=train_repeats, workers=4 if cuda else 0,
                              steps_per_config=len(training['clip']['step'])),
         summary=summary, goals=goals(summary),
