@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from drrho_openclip.losses import create_loss
-from drrho_openclip.losses.core import dense_aggregate, log_mean_exp_sim
+from drrho_openclip.losses.dense import dense_aggregate, log_mean_exp_sim
 from drrho_openclip.losses.tiled import (
     DEFAULT_TILE_SIZE, RowNormalizedLogWeight, make_tiled_aggregate, tiled_log_mean_exp_rows)
 
