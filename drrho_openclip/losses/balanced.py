@@ -19,7 +19,7 @@ from torch import nn
 
 from .base import LastCallMetrics, ReferenceFeatures
 from .collectives import gather_batch
-from .precision import at_least_float32
+from .precision import at_least_float32, autocast_disabled
 
 
 def column_logsumexp(x: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         if self.use_reference:
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         device = image_features.device
-        with torch.autocast(device.type, enabled=False):
+        with autocast_disabled(device):
             image_features, text_features = at_least_float32(image_features), at_least_float32(text_features)
             all_image = gather_batch(image_features, self.world_size, with_grad=True, device=device)
             all_text = gather_batch(text_features, self.world_size, with_grad=True, device=device)

@@ -25,7 +25,7 @@ from .base import ReferenceFeatures
 from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import distillation_loss
-from .precision import HALF_DTYPES, at_least_float32, elementwise_dtype
+from .precision import HALF_DTYPES, at_least_float32, autocast_disabled, elementwise_dtype
 from .state import MovingAverageState, SampleSharding, per_sample_tables
 from .tiled import negative_weight_entropy
 
@@ -169,7 +169,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         elif self.distill_weight > 0:
             self.require_reference(ref_image_features, ref_text_features, "distills from the reference model")
         device = image_features.device
-        with torch.autocast(device.type, enabled=False):
+        with autocast_disabled(device):
             # 16-bit features stay 16-bit for the pairwise products; the aggregation returns float32 log g
             dtype = pairwise_dtype(image_features, text_features)
             image, text = image_features.to(dtype), text_features.to(dtype)

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .precision import similarities
+from .precision import autocast_disabled, similarities
 
 
 def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
@@ -45,7 +45,7 @@ class _LogMeanExpRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, sim, ref_sim, inv_tau, log_w, offset):
-        with torch.autocast(sim.device.type, enabled=False):
+        with autocast_disabled(sim.device):
             return _LogMeanExpRows._forward(ctx, sim, ref_sim, inv_tau, log_w, offset)
 
     @staticmethod
@@ -71,7 +71,7 @@ class _LogMeanExpRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         # backward may run inside the caller's autocast region: nothing here is to be autocast
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with autocast_disabled(grad_out.device):
             return _LogMeanExpRows._backward(ctx, grad_out)
 
     @staticmethod
@@ -129,7 +129,7 @@ def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
     image direction's: one matrix product serves both, and backward sums both directions' gradients into it before
     the two products with the features.
     """
-    with torch.autocast(image.device.type, enabled=False):
+    with autocast_disabled(image.device):
         whole_batch = image is all_image and text is all_text
         sim_image = similarities(image, all_text)
         sim_text = sim_image.T if whole_batch else similarities(text, all_image)

@@ -5,6 +5,7 @@ bf16/fp16 features keep the matrix products on the tensor cores, with float32 ac
 Everything elementwise over the pairs (ℓ̂/τ, log-sum-exp, exp, the weights) is float32 or wider, since ℓ̂/τ at
 τ = 0.01 spans hundreds. float32 and float64 features compute exactly as given.
 """
+import contextlib
 import functools
 
 import torch
@@ -15,6 +16,14 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """fp16/bf16 → float32; float32 and float64 are kept as they are."""
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def autocast_disabled(device: torch.device):
+    """A region where the caller's autocast does not apply: the losses choose their dtypes themselves, in forward
+    and in backward (which may run inside the caller's autocast region). Devices without autocast need none."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def elementwise_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,19 +53,20 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _Similarities(torch.autograd.Function):
-    """anchors @ candidates.T with 16-bit inputs and a float32 result; backward's two products in 16 bits too."""
+    """anchors @ candidates.T (see `product`), and backward's two products in the features' dtype too, whatever
+    autocast region backward runs in (autograd's own matmul backward would follow the caller's autocast)."""
 
     @staticmethod
     def forward(ctx, anchors, candidates):
         ctx.save_for_backward(anchors, candidates)
-        with torch.autocast(anchors.device.type, enabled=False):
+        with autocast_disabled(anchors.device):
             return product(anchors, candidates.T)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         anchors, candidates = ctx.saved_tensors
-        with torch.autocast(anchors.device.type, enabled=False):
+        with autocast_disabled(anchors.device):
             grad = grad.to(anchors.dtype)
             grad_anchors = product(grad, candidates).to(anchors.dtype) if ctx.needs_input_grad[0] else None
             grad_candidates = product(grad.T, anchors).to(candidates.dtype) if ctx.needs_input_grad[1] else None
@@ -65,6 +75,4 @@ class _Similarities(torch.autograd.Function):
 
 def similarities(anchors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """[b, B] = anchors @ candidates.T, differentiable, in float32 or wider (see `product`)."""
-    if anchors.dtype in HALF_DTYPES:
-        return _Similarities.apply(anchors, candidates)
-    return anchors @ candidates.T
+    return _Similarities.apply(anchors, candidates)

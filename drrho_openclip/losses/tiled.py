@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .precision import elementwise_dtype, product
+from .precision import autocast_disabled, elementwise_dtype, product
 
 __all__ = [
     'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_aggregate', 'negative_weight_entropy', 'tiled_aggregate',
@@ -146,7 +146,7 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size,
                 negative_log_weight):
-        with torch.autocast(anchors.device.type, enabled=False):
+        with autocast_disabled(anchors.device):
             out, lse, s_pos, r_pos = _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset,
                                                   tile_size, negative_log_weight)
         log_weight = negative_log_weight
@@ -160,7 +160,7 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         # backward may run inside the caller's autocast region: nothing here is to be autocast
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with autocast_disabled(grad_out.device):
             return _TiledLogMeanExpRows._backward(ctx, grad_out)
 
     @staticmethod
@@ -332,6 +332,6 @@ def negative_weight_entropy(anchors, candidates, offset, inv_tau, ref_anchors=No
     number of negatives. One streaming pass, memory linear in the batch, whichever aggregation the loss uses."""
     inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
     _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
-    with torch.autocast(anchors.device.type, enabled=False):
+    with autocast_disabled(anchors.device):
         return _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, int(offset), tile_size,
                             negative_log_weight, with_entropy=True)
