@@ -294,7 +294,7 @@ def _batch(step, with_ref):
     return index, image, text, refs
 
 
-# the core computes in float32 (it casts), so these are float32 tolerances; at τ = 0.01 the logits reach ±400
+# float32 features, computed in float32: float32 tolerances; at τ = 0.01 the logits reach ±400
 F32 = dict(rtol=2e-5, atol=2e-5)
 
 

@@ -73,7 +73,8 @@ def register_loss(name: str, help: str, defaults=None, reference='none', statefu
             raise ValueError(f"loss '{name}' is already registered")
         unknown = sorted(set(run_options) - set(RUN_OPTION_DEFAULTS))
         if unknown:
-            raise ValueError(f"loss '{name}': {', '.join(unknown)} are no run options ({', '.join(RUN_OPTION_DEFAULTS)})")
+            raise ValueError(f"loss '{name}': {', '.join(unknown)} are no run options "
+                             f"({', '.join(RUN_OPTION_DEFAULTS)})")
         both = sorted(set(run_options) & set(defaults or {}))
         if both:
             raise ValueError(f"loss '{name}': {', '.join(both)} are run options, not the user's")
