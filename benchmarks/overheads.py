@@ -115,7 +115,7 @@ class LossCase:
         else:
             spec = get_loss_spec(name)
             options = dict(num_samples=batch) if spec.stateful else {}
-            if 'embed_dim' in spec.defaults:
+            if 'embed_dim' in spec.run_options:
                 options['embed_dim'] = dim
             self.loss = create_loss(name, **options).to(device)
             if spec.stateful:

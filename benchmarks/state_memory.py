@@ -52,7 +52,7 @@ def memory_worker(sizes, world_sizes):
     sys.path.insert(0, str(ROOT))
     import torch
     from drrho_openclip.losses import create_loss
-    from drrho_openclip.losses.core import per_sample_tables
+    from drrho_openclip.losses import per_sample_tables
     torch.set_num_threads(1)
     create_loss('drrho', num_samples=8, gamma=0.5)  # load everything once
     rows = []
@@ -229,7 +229,7 @@ def main(argv=None):
     step = timing['drrho loss step']['replicated']['median_ms']
     extra = u['sharded']['median_ms'] - u['replicated']['median_ms']
     sys.path.insert(0, str(ROOT))
-    from drrho_openclip.losses.core import AUTO_SHARD_FROM_SAMPLES as threshold
+    from drrho_openclip.losses.state import AUTO_SHARD_FROM_SAMPLES as threshold
     conclusion = (
         f"Sharded tables take 1/W of the replicated ones per rank (smallest ratio over W > 1: "
         f"{worst:.2f}× for W = 2). The sharded update costs {extra:+.2f} ms per step over the replicated one "

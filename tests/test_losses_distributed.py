@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from drrho_openclip.losses import create_loss
+from drrho_openclip.losses import create_loss, get_loss_spec
 
 WORLD, B = 2, 6  # per-rank batch
 NUM_SAMPLES = 20
@@ -47,9 +47,11 @@ def full_batch(step):
 def run(scenario, rank, world_size):
     """Every step's (value, feature grads, logit_scale grad, parameter grads) and the final state_dict."""
     name, options, epochs = SCENARIOS[scenario]
-    loss = create_loss(name, num_samples=NUM_SAMPLES, rank=rank, world_size=world_size, **options).double().eval()
+    if get_loss_spec(name).stateful:
+        options = dict(options, num_samples=NUM_SAMPLES)
+    loss = create_loss(name, rank=rank, world_size=world_size, **options).double().eval()
     torch.manual_seed(0)
-    loss.load_state_dict(create_loss(name, num_samples=NUM_SAMPLES, **options).double().state_dict())  # same TempNet
+    loss.load_state_dict(create_loss(name, **options).double().state_dict())  # same TempNet
     if name.startswith('jest'):
         loss.generator = torch.Generator().manual_seed(100 + rank)
     rows = slice(rank * B, (rank + 1) * B) if world_size > 1 else slice(None)

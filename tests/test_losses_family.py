@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drrho_openclip.losses.registry import RUN_OPTIONS, option_names
-from drrho_openclip.losses import attach_to_model, create_loss, get_loss_spec, list_losses
+from drrho_openclip.losses import attach_to_model, create_loss, get_loss_spec, list_losses, option_names
 
 EXTRAS_FREE = {'clip'}  # OpenCLIP's own ClipLoss takes no plugin keywords
 
@@ -44,7 +43,8 @@ CASES = {
 def build(case, num_samples=64, **overrides):
     """The loss of `case` with `overrides`, those among them that the loss has (tests share option sets)."""
     name = case.split('+')[0]
-    options = {**CASES[case], **{k: v for k, v in overrides.items() if k in option_names(name) + list(RUN_OPTIONS)}}
+    own = option_names(name) + list(get_loss_spec(name).run_options)
+    options = {**CASES[case], **{k: v for k, v in overrides.items() if k in own}}
     if get_loss_spec(name).stateful:
         options.setdefault('num_samples', num_samples)
     return create_loss(name, **options)

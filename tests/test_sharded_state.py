@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from conftest import run_openclip, train_args
 from drrho_openclip.losses import create_loss
-from drrho_openclip.losses.core import AUTO_SHARD_FROM_SAMPLES, per_sample_tables
-from drrho_openclip.losses.state_shards import load_state_shards, save_state_shards, shard_file_name
+from drrho_openclip.losses.state import AUTO_SHARD_FROM_SAMPLES, per_sample_tables
+from drrho_openclip.losses.state import load_state_shards, save_state_shards, shard_file_name
 
 N = 23  # blocks of 12 + 11 rows over 2 ranks, 8 + 8 + 7 over 3
 GLOBAL_BATCH = 12

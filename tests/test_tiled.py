@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from drrho_openclip.losses import create_loss
-from drrho_openclip.losses.core import dense_aggregate, log_mean_exp_sim
+from drrho_openclip.losses.dense import dense_aggregate, log_mean_exp_sim
 from drrho_openclip.losses.tiled import (
     DEFAULT_TILE_SIZE, RowNormalizedLogWeight, make_tiled_aggregate, tiled_log_mean_exp_rows)
 
@@ -294,7 +294,7 @@ def _batch(step, with_ref):
     return index, image, text, refs
 
 
-# the core computes in float32 (it casts), so these are float32 tolerances; at τ = 0.01 the logits reach ±400
+# float32 features, computed in float32: float32 tolerances; at τ = 0.01 the logits reach ±400
 F32 = dict(rtol=2e-5, atol=2e-5)
 
 

@@ -1,16 +1,24 @@
-"""Contrastive losses for OpenCLIP, all composed from one DRO core (`core.py`) where the method is a DRO over
-negatives, and small modules of their own otherwise (`balanced.py`, `jest.py`).
+"""Contrastive losses for OpenCLIP, on torch alone: the DRO family composed from one core (`core.py`), and small
+modules of their own where the method is not a DRO over negatives (`clip.py`, `mobileclip.py`, `balanced.py`,
+`jest.py`).
+
+The core's parts, one concern per module: `dense.py` and `tiled.py` (the two aggregations, one contract),
+`temperatures.py` (every temperature source), `state.py` (per-sample tables, their layouts across ranks and their
+checkpoint files), `collectives.py` (every collective, device-checked), `precision.py` (the dtypes the losses
+compute in). `registry.py` names the losses and their options; `family.py` registers them.
 
 Each loss follows OpenCLIP's call convention:
 `loss(image_features, text_features, logit_scale, ..., output_dict=True)` with the extra keywords `index`,
-`ref_image_features`, `ref_text_features` and `accum_step` where the loss needs them.
+`ref_image_features`, `ref_text_features` and `accum_step` where the loss needs them. A loss's per-sample tables
+and constants are registered buffers: `loss.to(device)` puts all of it on the features' device, where every call
+computes and communicates.
 """
-from .core import (STATE_LAYOUTS, DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, MovingAverageState,
-                   per_sample_tables)
+from .core import DROContrastiveLoss
 from .registry import OPTION_HELP, create_loss, get_loss_spec, list_losses, loss_options, option_names, register_loss
-from .state_shards import load_state_shards, save_state_shards
+from .state import STATE_LAYOUTS, MovingAverageState, load_state_shards, per_sample_tables, save_state_shards
+from .temperatures import (FixedTemperature, LogitScaleTemperature, PerSampleTemperature, TempNetTemperature,
+                           attach_to_model)
 from .tiled import DEFAULT_TILE_SIZE
-from .temperatures import PerSampleTemperature, TempNetTemperature, attach_to_model
 from . import family  # noqa: F401 - registers the named losses
 
 __all__ = [

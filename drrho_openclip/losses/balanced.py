@@ -17,12 +17,15 @@ log-sum-exp over all ranks' rows is gathered with gradient too, so value and gra
 import torch
 from torch import nn
 
-from .core import ReferenceFeatures, at_least_float32, gather_batch
+from .base import LastCallMetrics, ReferenceFeatures
+from .collectives import gather_batch
+from .precision import at_least_float32, autocast_disabled
 
 
 def column_logsumexp(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """log Σ over the rows of every rank, per column: [1, N]."""
-    return gather_batch(x.logsumexp(dim=0, keepdim=True), world_size, with_grad=True).logsumexp(dim=0, keepdim=True)
+    rows = x.logsumexp(dim=0, keepdim=True)
+    return gather_batch(rows, world_size, with_grad=True, device=x.device).logsumexp(dim=0, keepdim=True)
 
 
 def balance(logits: torch.Tensor, steps: int, world_size: int) -> torch.Tensor:
@@ -35,7 +38,7 @@ def balance(logits: torch.Tensor, steps: int, world_size: int) -> torch.Tensor:
     return logits
 
 
-class BalancedClipLoss(ReferenceFeatures, nn.Module):
+class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     def __init__(self, temperature: nn.Module, steps: int = 2, use_reference: bool = False, rank: int = 0,
                  world_size: int = 1):
@@ -51,21 +54,23 @@ class BalancedClipLoss(ReferenceFeatures, nn.Module):
 
     def forward(self, image_features, text_features, logit_scale=None, ref_image_features=None,
                 ref_text_features=None, accum_step=None, output_dict=False, **_):
-        if self.use_reference and (ref_image_features is None or ref_text_features is None):
-            raise ValueError("this loss shifts by the reference model: the batch carries no reference features "
-                             "(pass --ref-features DIR or --ref-model)")
-        with torch.autocast(image_features.device.type, enabled=False):
+        if self.use_reference:
+            self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
+        device = image_features.device
+        with autocast_disabled(device):
             image_features, text_features = at_least_float32(image_features), at_least_float32(text_features)
-            all_image = gather_batch(image_features, self.world_size, with_grad=True)
-            all_text = gather_batch(text_features, self.world_size, with_grad=True)
+            all_image = gather_batch(image_features, self.world_size, with_grad=True, device=device)
+            all_text = gather_batch(text_features, self.world_size, with_grad=True, device=device)
             tau = self.temperature(logit_scale=logit_scale)[0].to(image_features)
             if accum_step:  # a later call on the same window: τ's gradient came whole with the first call
                 tau = tau.detach()
             sim_image, sim_text = image_features @ all_text.T, text_features @ all_image.T
             if self.use_reference:
                 ref_image, ref_text = at_least_float32(ref_image_features), at_least_float32(ref_text_features)
-                sim_image = sim_image - ref_image @ gather_batch(ref_text, self.world_size, with_grad=False).T
-                sim_text = sim_text - ref_text @ gather_batch(ref_image, self.world_size, with_grad=False).T
+                all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)
+                all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False, device=device)
+                sim_image = sim_image - ref_image @ all_ref_text.T
+                sim_text = sim_text - ref_text @ all_ref_image.T
             logits_image, logits_text = sim_image / tau, sim_text / tau
             rows = torch.arange(logits_image.shape[0], device=logits_image.device)
             positives = (rows, rows + self.rank * logits_image.shape[0])
@@ -76,6 +81,3 @@ class BalancedClipLoss(ReferenceFeatures, nn.Module):
                 clip = -(logits_image.log_softmax(1)[positives] + logits_text.log_softmax(1)[positives]).mean() / 2
             self._last = {'clip_loss': clip, 'tau': tau.detach()}
         return {'contrastive_loss': loss} if output_dict else loss
-
-    def metrics(self) -> dict:
-        return {k: v.item() for k, v in self._last.items()}

@@ -2,12 +2,18 @@
 is not a DRO over negatives (balancing, batch selection)."""
 from .adnce import adnce_log_weight
 from .balanced import BalancedClipLoss
-from .core import (DROContrastiveLoss, FixedTemperature, LogitScaleTemperature, MovingAverageState, SampleSharding,
-                   resolve_state_layout)
+from .clip import ClipLoss
+from .core import DROContrastiveLoss
 from .jest import JESTLoss
-from .registry import register_loss
-from .temperatures import PerSampleTemperature, TempNetTemperature
+from .mobileclip import MobileClipLoss
+from .registry import DISTRIBUTED, register_loss
+from .state import MovingAverageState, SampleSharding, resolve_state_layout
+from .temperatures import FixedTemperature, LogitScaleTemperature, PerSampleTemperature, TempNetTemperature
 from .tiled import make_tiled_aggregate
+
+# The run options (registry.py) of the losses with per-sample state, and of those with CLIP's loss
+STATEFUL = ('num_samples', *DISTRIBUTED)
+CLIP = (*DISTRIBUTED, 'local_loss', 'gather_with_grad')
 
 # The options of a DRO loss with a global τ (the per-loss defaults below override them with the paper's values)
 DRO_OPTIONS = dict(
@@ -55,7 +61,7 @@ def _sharding(o, per_sample_temperature=False):
 def _state(o, sharding):
     if not _keeps_state(o):
         return None
-    return MovingAverageState(o.num_samples, o.gamma, o.gamma_decay_epochs, o.world_size, sharding=sharding)
+    return MovingAverageState(o.gamma, o.gamma_decay_epochs, sharding)
 
 
 def _dro(o, use_reference, temperature=None, rho=None, sharding=None, **core_options):
@@ -75,21 +81,18 @@ def _dro(o, use_reference, temperature=None, rho=None, sharding=None, **core_opt
         teacher_logit_scale=getattr(o, 'reference_logit_scale', 100.0), **core_options)
 
 
-@register_loss('clip', reference='optional', defaults=DISTILL_OPTIONS,
+@register_loss('clip', reference='optional', defaults=DISTILL_OPTIONS, run_options=CLIP,
                help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged); with distill_weight > 0, "
                     "MobileCLIP: (1−λ) CLIP + λ KD from the reference model")
 def clip(o):
-    options = dict(local_loss=o.local_loss, gather_with_grad=o.gather_with_grad, cache_labels=True, rank=o.rank,
-                   world_size=o.world_size)
+    options = dict(local_loss=o.local_loss, gather_with_grad=o.gather_with_grad, rank=o.rank, world_size=o.world_size)
     if o.distill_weight:
-        from .mobileclip import MobileClipLoss
         return MobileClipLoss(o.distill_weight, o.reference_logit_scale, **options)
-    from open_clip.loss import ClipLoss
     return ClipLoss(**options)
 
 
 @register_loss(
-    'drrho', reference='required', stateful=True,
+    'drrho', reference='required', stateful=True, run_options=STATEFUL,
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
     defaults=dict(DRO_OPTIONS, temperature=0.01, epsilon=1e-4, rho=8.5, **DISTILL_OPTIONS))
@@ -98,7 +101,7 @@ def drrho(o):
 
 
 @register_loss(
-    'sogclr', stateful=True,
+    'sogclr', stateful=True, run_options=STATEFUL,
     help="SogCLR / FastCLIP-v1: global contrastive loss, fixed τ, per-sample u with γ",
     defaults=DRO_OPTIONS)
 def sogclr(o):
@@ -106,7 +109,7 @@ def sogclr(o):
 
 
 @register_loss(
-    'fastclip', reference='optional', stateful=True,
+    'fastclip', reference='optional', stateful=True, run_options=STATEFUL,
     help="FastCLIP-v3: global contrastive loss with the model's learnable τ and the KL-constraint ρ (Wei et al., "
          "2024); with distill_weight > 0, plus KD from the reference model (the contrastive part is not shifted)",
     # the paper's CC12M / ViT-B/32 setting
@@ -119,25 +122,25 @@ def fastclip(o):
 
 
 @register_loss(
-    'isogclr', stateful=True,
+    'isogclr', stateful=True, run_options=STATEFUL,
     help="FastCLIP-v2 / iSogCLR: a learnable τ per sample and modality (per-sample Adam), ρ, per-sample u",
     # the FastCLIP paper's v2 setting (CC3M); tau_* are the per-sample Adam's
     defaults=dict(ESTIMATOR_OPTIONS, temperature=0.03, rho=7.0, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01,
                   tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8))
 def isogclr(o):
     sharding = _sharding(o, per_sample_temperature=True)
-    temperature = PerSampleTemperature(o.num_samples, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
-                                       o.tau_beta2, o.tau_eps, o.world_size, sharding=sharding)
+    temperature = PerSampleTemperature(sharding, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
+                                       o.tau_beta2, o.tau_eps)
     return _dro(o, use_reference=False, temperature=temperature, rho=o.rho, sharding=sharding)
 
 
 @register_loss(
-    'tempnet', reference='optional', stateful=True,
+    'tempnet', reference='optional', stateful=True, run_options=(*STATEFUL, 'embed_dim'),
     help="TempNet: τ per anchor predicted by a small network on the detached features, learned through the "
          "KL-constrained DRO objective (Qiu et al., 2024); its parameters must be attached to the model",
     # the official CLIP code's values (the paper's are elided in our copy)
     defaults=dict(ESTIMATOR_OPTIONS, rho=7.0, gamma=0.8, gamma_decay_epochs=1, tau_min=0.005, tau_max=0.05,
-                  embed_dim=0, tempnet_width=256, tempnet_prototypes=256, reference_shift=False))
+                  tempnet_width=256, tempnet_prototypes=256, reference_shift=False))
 def tempnet(o):
     if o.embed_dim <= 0:
         raise ValueError("tempnet needs the model's embedding size: pass embed_dim (the model's embed_dim)")
@@ -147,7 +150,7 @@ def tempnet(o):
 
 
 @register_loss(
-    'adnce', reference='optional', stateful=True,
+    'adnce', reference='optional', stateful=True, run_options=STATEFUL,
     help="ADNCE: negatives re-weighted by a Gaussian of their similarity (µ, σ), positive kept in the denominator "
          "(Wu et al., 2023)",
     # the paper's SimCSE-BERT setting (τ 0.07, µ 0.4, σ 1); mini-batch like the paper (γ = 1)
@@ -178,7 +181,7 @@ def _jest(o, topk):
 
 
 @register_loss(
-    'jest', reference='required', defaults=JEST_OPTIONS,
+    'jest', reference='required', defaults=JEST_OPTIONS, run_options=CLIP,
     help="JEST: CLIP's loss on the most learnable selection_ratio of the super-batch (learner minus reference "
          "loss), drawn in num_chunks conditioned chunks (Evans et al., 2024)")
 def jest(o):
@@ -186,7 +189,7 @@ def jest(o):
 
 
 @register_loss(
-    'jest-topk', reference='required', defaults=JEST_OPTIONS,
+    'jest-topk', reference='required', defaults=JEST_OPTIONS, run_options=CLIP,
     help="JEST (top-k): as jest, but chunks after the first take the most learnable candidates instead of drawing")
 def jest_topk(o):
     return _jest(o, topk=True)

@@ -21,21 +21,23 @@ chunk (the official code needed torch.distributed even on one process; here one 
 Called as a loss, it receives the super-batch's features (with gradient) and backpropagates CLIP's loss through
 the selected rows only; the encoders' backward still runs over the whole super-batch (with zero gradients for the
 rest). To save that, a training loop can call `select` on features from a no-grad forward, re-encode the selected
-samples with gradient, and apply `self.clip` (OpenCLIP's ClipLoss) to them.
+samples with gradient, and apply `self.clip` (CLIP's loss with OpenCLIP's semantics, `clip.py`) to them.
 """
 import torch
 from torch import nn
 
-from .core import ReferenceFeatures, at_least_float32, gather_batch
+from .base import LastCallMetrics, ReferenceFeatures
+from .clip import ClipLoss
+from .collectives import gather_batch
+from .precision import at_least_float32
 
 
-class JESTLoss(ReferenceFeatures, nn.Module):
+class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     def __init__(self, selection_ratio: float = 0.2, num_chunks: int = 2, topk: bool = False,
                  reference_logit_scale: float = 100.0, local_loss: bool = True, gather_with_grad: bool = True,
                  rank: int = 0, world_size: int = 1):
         super().__init__()
-        from open_clip.loss import ClipLoss  # here: importing open_clip must wait for the plugin's import hook
         if not 0 < selection_ratio <= 1:
             raise ValueError(f"JEST's selection ratio must be in (0, 1], got {selection_ratio}")
         if num_chunks < 1:
@@ -45,8 +47,8 @@ class JESTLoss(ReferenceFeatures, nn.Module):
         self.topk = topk
         self.reference_logit_scale = reference_logit_scale
         self.world_size = world_size
-        self.clip = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=True,
-                             rank=rank, world_size=world_size)
+        self.clip = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad, rank=rank,
+                             world_size=world_size)
         self.generator = None  # a torch.Generator for the draws; None: torch's global RNG
         self._window = None  # the accumulation window's selection
         self._last = {}
@@ -87,22 +89,23 @@ class JESTLoss(ReferenceFeatures, nn.Module):
             if chunk + 1 < len(sizes):
                 # the chunk just drawn, on every rank, joins the set the next chunks are conditioned on
                 dims = [f.shape[1] for f in features]
-                new = gather_batch(torch.cat([f[pick] for f in features], dim=1), self.world_size, with_grad=False)
+                new = gather_batch(torch.cat([f[pick] for f in features], dim=1), self.world_size, with_grad=False,
+                                   device=image.device)
                 new_image, new_text, new_ref_image, new_ref_text = new.split(dims, dim=1)
                 lse = torch.logaddexp(lse, torch.stack([
                     (s * image @ new_text.T).logsumexp(1), (s * text @ new_image.T).logsumexp(1),
                     (t * ref_image @ new_ref_text.T).logsumexp(1), (t * ref_text @ new_ref_image.T).logsumexp(1)]))
         selected = torch.cat(picks)
-        self._last = {'selection_rate': torch.tensor(len(selected) / image.shape[0]),
-                      'extra_forward_fraction': torch.tensor(image.shape[0] / len(selected) - 1),
+        # for metrics(): the fraction kept, the learner's extra forward compute relative to a step on the kept
+        # sub-batch alone (b_super/b_sub − 1), and the mean first-chunk learnability of all and of the kept
+        self._last = {'selection_rate': len(selected) / image.shape[0],
+                      'extra_forward_fraction': image.shape[0] / len(selected) - 1,
                       'learnability_mean': diagonal.mean(), 'learnability_selected_mean': diagonal[selected].mean()}
         return selected
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 accum_step=None, output_dict=False, **_):
-        if ref_image_features is None or ref_text_features is None:
-            raise ValueError("JEST scores learnability with the reference model: the batch carries no reference "
-                             "features (pass --ref-features DIR or --ref-model)")
+        self.require_reference(ref_image_features, ref_text_features, "scores learnability with the reference model")
         if accum_step:
             # a later call on the same window: its first call's selection; logit_scale's gradient, which depends
             # only on the window's feature values, came whole with that call
@@ -111,8 +114,3 @@ class JESTLoss(ReferenceFeatures, nn.Module):
             selected = self.select(image_features, text_features, logit_scale, ref_image_features, ref_text_features)
             self._window = selected if accum_step is not None else None
         return self.clip(image_features[selected], text_features[selected], logit_scale, output_dict=output_dict)
-
-    def metrics(self) -> dict:
-        """Of the last selection: the fraction kept, the learner's extra forward compute relative to a step on the
-        kept sub-batch alone (b_super/b_sub − 1), and the mean first-chunk learnability of all and of the kept."""
-        return {k: v.item() for k, v in self._last.items()}

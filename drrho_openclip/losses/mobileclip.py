@@ -1,14 +1,12 @@
-"""MobileCLIP's loss (Vasu et al., 2024; seed 001 Eq. 12): (1 − λ) · CLIP + λ · KD, over OpenCLIP's own
-DistillClipLoss (whose KD term is `distill.soft_cross_entropy`'s), with the reference model as the teacher.
-
-Imported only when such a loss is built: importing open_clip must wait for the plugin's import hook.
-"""
-from open_clip.loss import DistillClipLoss
-
-from .core import ReferenceFeatures
+"""MobileCLIP's loss (Vasu et al., 2024; seed 001 Eq. 12): (1 − λ) · CLIP + λ · KD, with the reference model as the
+teacher. As OpenCLIP's `DistillClipLoss`: KD (`distill.soft_cross_entropy`) of the student's CLIP logits against
+the teacher's at its own logit scale, over the same rows and columns, averaged over both directions."""
+from .base import LastCallMetrics, ReferenceFeatures
+from .clip import ClipLoss
+from .distill import soft_cross_entropy
 
 
-class MobileClipLoss(ReferenceFeatures, DistillClipLoss):
+class MobileClipLoss(ReferenceFeatures, LastCallMetrics, ClipLoss):
 
     def __init__(self, distill_weight: float, teacher_logit_scale: float = 100.0, **clip_options):
         super().__init__(**clip_options)
@@ -20,16 +18,14 @@ class MobileClipLoss(ReferenceFeatures, DistillClipLoss):
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 output_dict=False, **_):
-        if ref_image_features is None or ref_text_features is None:
-            raise ValueError("distillation needs the reference (teacher) features: pass --ref-features DIR or "
-                             "--ref-model")
-        contrastive, distill = super().forward(image_features, text_features, logit_scale, ref_image_features,
-                                               ref_text_features, self.teacher_logit_scale)
+        self.require_reference(ref_image_features, ref_text_features, "distills from the reference (teacher) model")
+        logits_per_image, logits_per_text = self.logits(image_features, text_features, logit_scale)
+        teacher_per_image, teacher_per_text = self.logits(ref_image_features, ref_text_features,
+                                                          self.teacher_logit_scale)
+        contrastive = self.contrastive(logits_per_image, logits_per_text)
+        distill = (soft_cross_entropy(teacher_per_image, logits_per_image)
+                   + soft_cross_entropy(teacher_per_text, logits_per_text)) / 2
         self._last = {'contrastive': contrastive.detach(), 'distill': distill.detach()}
         losses = {'contrastive_loss': (1 - self.distill_weight) * contrastive,
                   'distill_loss': self.distill_weight * distill}
         return losses if output_dict else sum(losses.values())
-
-    def metrics(self) -> dict:
-        """The unweighted terms of the last call."""
-        return {k: v.item() for k, v in self._last.items()}

@@ -1,20 +1,24 @@
-"""Loss registry: names → factories, in the style of timm's model registry (`list_losses`, `create_loss`)."""
+"""Loss registry: names → factories, in the style of timm's model registry (`list_losses`, `create_loss`).
+
+A loss's options are of two kinds. The user's are its `defaults` (the paper's values; command-line flags in the
+OpenCLIP plugin). The training run's are named in its `run_options`: facts of the run (dataset size, rank, world
+size, the model's embedding size, OpenCLIP's --local-loss / --gather-with-grad) that the run supplies to the losses
+that read them, and only to those.
+"""
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
-# What the training run supplies to every factory (the user's options are each loss's own `defaults`).
-COMMON_OPTIONS = dict(
-    num_samples=0,             # size of the per-sample index space
+# Every option a training run may supply, with the value a loss gets when the caller does not (a single process)
+RUN_OPTION_DEFAULTS = dict(
+    num_samples=0,             # size of the per-sample index space (losses with per-sample state)
     rank=0,
     world_size=1,
-    local_loss=True,
+    embed_dim=0,               # the model's embedding size (a loss with a network on the features)
+    local_loss=True,           # OpenCLIP's flags, for the losses with CLIP's loss (clip, jest)
     gather_with_grad=True,
 )
-
-
-# Options the training loop supplies; the others are the user's (command-line flags in the OpenCLIP plugin).
-RUN_OPTIONS = (*COMMON_OPTIONS, 'embed_dim')
+DISTRIBUTED = ('rank', 'world_size')  # what every loss is given
 
 OPTION_HELP = dict(
     temperature="τ, fixed, or its initial value when learned",
@@ -22,7 +26,7 @@ OPTION_HELP = dict(
     rho="ρ of the KL-constrained DRO (the + ρτ term per direction), with a learned τ",
     epsilon="ε in τ·log(ε + g)",
     gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample state)",
-    gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma (default: --epochs)",
+    gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma",
     distill_weight="λ of the distillation from the reference model: (1−λ)·contrastive + λ·KD",
     reference_logit_scale="the reference model's logit scale (KD teacher, JEST scores)",
     tau_min="lower bound of the learned per-sample τ",
@@ -53,28 +57,35 @@ class LossSpec:
     name: str
     factory: Callable
     help: str
-    defaults: Dict = field(default_factory=dict)   # the loss's options, at the paper's values
+    defaults: Dict = field(default_factory=dict)   # the user's options, at the paper's values
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
     stateful: bool = False                          # keeps per-sample state (needs the sample index)
+    run_options: Tuple[str, ...] = DISTRIBUTED      # the options of RUN_OPTION_DEFAULTS the training run supplies
 
 
 _LOSSES: Dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, help: str, defaults=None, reference='none', stateful=False):
+def register_loss(name: str, help: str, defaults=None, reference='none', stateful=False, run_options=DISTRIBUTED):
     """Decorator registering `factory(options) -> nn.Module` under `name`."""
     def wrap(factory):
         if name in _LOSSES:
             raise ValueError(f"loss '{name}' is already registered")
-        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, stateful)
+        unknown = sorted(set(run_options) - set(RUN_OPTION_DEFAULTS))
+        if unknown:
+            raise ValueError(f"loss '{name}': {', '.join(unknown)} are no run options "
+                             f"({', '.join(RUN_OPTION_DEFAULTS)})")
+        both = sorted(set(run_options) & set(defaults or {}))
+        if both:
+            raise ValueError(f"loss '{name}': {', '.join(both)} are run options, not the user's")
+        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, stateful, tuple(run_options))
         return factory
     return wrap
 
 
 def option_names(name: str) -> List[str]:
     """The user-settable options of a loss."""
-    spec = get_loss_spec(name)
-    return sorted(k for k in {**COMMON_OPTIONS, **spec.defaults} if k not in RUN_OPTIONS)
+    return sorted(get_loss_spec(name).defaults)
 
 
 def list_losses() -> List[str]:
@@ -89,16 +100,22 @@ def get_loss_spec(name: str) -> LossSpec:
 
 
 def loss_options(name: str, **overrides) -> SimpleNamespace:
-    """The options a loss is built with: common values, then the loss's paper defaults, then `overrides`
-    (an override of None keeps the default; one that is neither common nor the loss's own is an error)."""
+    """The options a loss is built with: its run options' single-process values, its paper defaults, then
+    `overrides` (an override of None keeps the default). An override the loss does not have is an error, a run
+    option it does not read included."""
     spec = get_loss_spec(name)
-    options = {**COMMON_OPTIONS, **spec.defaults}
-    foreign = sorted(k for k, v in overrides.items() if v is not None and k not in options)
+    options = {**{k: RUN_OPTION_DEFAULTS[k] for k in spec.run_options}, **spec.defaults}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unread = sorted(k for k in given if k in RUN_OPTION_DEFAULTS and k not in options)
+    if unread:
+        readers = ', '.join(n for n in list_losses() if set(unread) & set(get_loss_spec(n).run_options))
+        raise ValueError(f"loss '{name}' does not read {', '.join(unread)} (a run option of the losses "
+                         f"{readers}); do not pass it to this loss")
+    foreign = sorted(k for k in given if k not in options)
     if foreign:
-        own = sorted(k for k in spec.defaults if k not in RUN_OPTIONS) or ['none']
-        raise ValueError(f"loss '{name}' has no option {', '.join(foreign)} (its own options: {', '.join(own)}); "
-                         f"drop it or pick a loss that has it")
-    options.update({k: v for k, v in overrides.items() if v is not None})
+        raise ValueError(f"loss '{name}' has no option {', '.join(foreign)} (its own options: "
+                         f"{', '.join(option_names(name)) or 'none'}); drop it or pick a loss that has it")
+    options.update(given)
     return SimpleNamespace(**options)
 
 

@@ -1,6 +1,10 @@
-"""Temperature sources beyond the core's fixed and global-learnable τ: one τ per sample (iSogCLR / FastCLIP-v2)
-and a temperature network (TempNet). Both give one τ per anchor and direction, and both are learned from the
-τ-gradient of the core's per-anchor objective,
+"""Every temperature source of the DRO core: a fixed τ, the model's learnable global τ (1/logit_scale), one τ per
+sample (iSogCLR / FastCLIP-v2) and a temperature network (TempNet).
+
+A source is called as `source(logit_scale=..., index=..., image_features=..., text_features=...)` and returns
+(τ of the image anchors, τ of the text anchors), each 0-dim or one per anchor; the core casts them to its
+elementwise dtype on the features' device. The last two give one τ per anchor and direction, and both are learned
+from the τ-gradient of the core's per-anchor objective,
 
     G_i = ∂(τ_i F_i + ρ τ_i)/∂τ_i = log(ε + u_i) − Σ_{j≠i} w_ij ℓ̂_ij / τ_i / (B−1) + ρ,
     w_ij = exp(ℓ̂_ij/τ_i) / (ε + u_i),
@@ -8,13 +12,38 @@ and a temperature network (TempNet). Both give one τ per anchor and direction, 
 which the core's surrogate carries (`core.sogclr_estimate`): the table by its own Adam step, TempNet by autograd.
 """
 import math
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import SampleSharding
+from .precision import at_least_float32
+from .state import SampleSharding
+
+
+class FixedTemperature(nn.Module):
+    """A constant τ (DRRho-CLIP's default 0.01); ignores the model's logit_scale."""
+
+    def __init__(self, tau: float):
+        super().__init__()
+        if tau <= 0:
+            raise ValueError(f"temperature must be > 0, got {tau}")
+        self.tau = tau
+        # a buffer, so that loss.to(device) puts it beside the features (no host-to-device copy per call); not in
+        # the state_dict: it is the configuration's, not the run's
+        self.register_buffer('value', torch.tensor(tau, dtype=torch.float64), persistent=False)
+
+    def forward(self, **_):
+        return self.value, self.value
+
+
+class LogitScaleTemperature(nn.Module):
+    """The model's learnable global τ = 1 / logit_scale (OpenCLIP's parameter, optimised with the model)."""
+
+    def forward(self, logit_scale=None, **_):
+        if logit_scale is None:
+            raise ValueError("a learnable temperature needs the model's logit_scale")
+        tau = 1.0 / at_least_float32(logit_scale)
+        return tau, tau
 
 
 class PerSampleTemperature(nn.Module):
@@ -35,23 +64,17 @@ class PerSampleTemperature(nn.Module):
     per_sample_tables = tuple(f'{name}_{side}' for side in ('image', 'text') for name in ('tau', 'exp_avg',
                                                                                            'exp_avg_sq'))
 
-    def __init__(self, num_samples: int, tau_init: float, tau_min: float, tau_max: float, lr: float,
-                 beta1: float, beta2: float, eps: float, world_size: int = 1,
-                 sharding: Optional[SampleSharding] = None):
+    def __init__(self, sharding: SampleSharding, tau_init: float, tau_min: float, tau_max: float, lr: float,
+                 beta1: float, beta2: float, eps: float):
         super().__init__()
-        if num_samples <= 0:
-            raise ValueError(f"per-sample temperatures need the dataset size, got num_samples={num_samples}")
         if not 0 < tau_min <= tau_init <= tau_max:
             raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
         if lr < 0 or eps <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1):
             raise ValueError(f"the per-sample Adam needs lr ≥ 0, eps > 0 and betas in [0, 1), got lr={lr}, "
                              f"eps={eps}, betas=({beta1}, {beta2})")
-        self.sharding = sharding if sharding is not None else SampleSharding(num_samples, world_size=world_size)
-        if self.sharding.num_samples != num_samples:
-            raise ValueError(f"the sharding covers {self.sharding.num_samples} samples, the tables {num_samples}")
+        self.sharding = sharding
         self.tau_min, self.tau_max, self.lr = tau_min, tau_max, lr
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
-        self.world_size = self.sharding.world_size
         for side in ('image', 'text'):
             self.register_buffer(f'tau_{side}', self.sharding.table(tau_init))
             self.register_buffer(f'exp_avg_{side}', self.sharding.table(float('nan')))
@@ -61,11 +84,12 @@ class PerSampleTemperature(nn.Module):
     def _tables(self):
         return [getattr(self, name) for name in self.per_sample_tables]
 
-    def forward(self, index=None, **_):
+    def forward(self, index=None, image_features=None, **_):
         if index is None:
             raise ValueError("per-sample temperatures need the batch's sample `index`")
         # τ, m and v of the batch's rows in one read (one exchange when sharded); m and v are used in step()
-        tau_image, m_image, v_image, tau_text, m_text, v_text = self.sharding.read(self._tables(), index)
+        tau_image, m_image, v_image, tau_text, m_text, v_text = self.sharding.read(self._tables(), index,
+                                                                                   image_features.device)
         # leaves: the loss's gradient wrt them is G, read in step()
         self._rows = (index, tau_image.clone().requires_grad_(), tau_text.clone().requires_grad_(),
                       (m_image, v_image), (m_text, v_text))

@@ -1,6 +1,6 @@
-"""A tiled, memory-linear drop-in for the core's aggregation `dense_aggregate`.
+"""A tiled, memory-linear drop-in for the untiled aggregation `dense.dense_aggregate` (same contract, same result).
 
-`core.dense_aggregate` materialises b×B matrices (the similarities, the logits, the gradient in backward), so the
+`dense.dense_aggregate` materialises b×B matrices (the similarities, the logits, the gradient in backward), so the
 loss needs O(b·B) memory: at a global batch of 65 536 on one device that is 16 GiB per
 float32 matrix. The function here computes the same value and the same gradients while never holding more than a
 b×T block of any pairwise matrix (T = `tile_size` columns):
@@ -39,8 +39,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .precision import autocast_disabled, elementwise_dtype, product
+
 __all__ = [
-    'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_aggregate', 'tiled_aggregate', 'tiled_log_mean_exp_rows',
+    'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_aggregate', 'negative_weight_entropy', 'tiled_aggregate',
+    'tiled_log_mean_exp_rows',
 ]
 
 # Columns per tile. Chosen with the tile-size sweep of `python benchmarks/tiled_memory.py` on the 2-core CPU (AMD EPYC,
@@ -103,15 +106,6 @@ def _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candida
                          f"match anchors {tuple(anchors.shape)} / candidates {tuple(candidates.shape)}")
 
 
-def _positive_rows(c0, c1, offset, b, device):
-    """Rows whose positive column offset + i lies in the tile [c0, c1), and that column within the tile."""
-    first, last = max(c0 - offset, 0), min(c1 - offset, b)
-    if first >= last:
-        return None
-    rows = torch.arange(first, last, device=device)
-    return rows, rows + (offset - c0)
-
-
 class _TiledLogMeanExpRows(torch.autograd.Function):
 
     @staticmethod
@@ -119,75 +113,45 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
                      keep_log_w=False):
         """The tile's logits ℓ̂_ij·inv_tau_i + log w_ij (positives at −inf); ℓ̂_ij too if `keep_ell`, and
         the log-weights (positives at −inf) if `keep_log_w`."""
-        sim = a @ c_tile.T
+        sim = product(a, c_tile.T)
         b, t = sim.shape
-        positives = _positive_rows(c0, c0 + t, offset, b, a.device)
+        # anchor i's positive, candidate offset + i, is the tile's column i + offset − c0: a diagonal of the block
+        # (empty when the tile holds no positives), set without indices or a host round trip
+        positives = offset - c0
         log_w = None
         if log_weight is not None:
             mask = torch.zeros(b, t, dtype=torch.bool, device=a.device)
-            if positives is not None:
-                mask[positives] = True
+            mask.diagonal(positives).fill_(True)
             log_w = log_weight(sim, mask).to(sim.dtype).expand(b, t)  # a broadcastable result is fine
             ell = sim - s_pos[:, None]   # not in place: log_w may be a view of sim
         else:
             ell = sim.sub_(s_pos[:, None])
         del sim
         if ref_a is not None:
-            ref_sim = ref_a @ rc_tile.T
+            ref_sim = product(ref_a, rc_tile.T)
             ref_sim.sub_(r_pos[:, None])
             ell.sub_(ref_sim)
             del ref_sim
         logits = ell * inv_tau_col if keep_ell else ell.mul_(inv_tau_col)
         if log_w is not None:
             logits.add_(log_w)
-            if not keep_log_w:
+            if keep_log_w:  # a copy of its own: log_w may be an expanded view of anything
+                log_w = torch.empty_like(logits).copy_(log_w)
+                log_w.diagonal(positives).fill_(float('-inf'))
+            else:
                 log_w = None
-            elif positives is not None:  # out of place: log_w may be a view of anything
-                log_w = log_w.index_put(positives, log_w.new_tensor(float('-inf')))
-        if positives is not None:
-            logits[positives] = float('-inf')
+        logits.diagonal(positives).fill_(float('-inf'))
         return logits, (ell if keep_ell else None), log_w
 
     @staticmethod
     def forward(ctx, anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size,
                 negative_log_weight):
-        dtype = anchors.dtype
-        b, num_candidates = anchors.shape[0], candidates.shape[0]
-        normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
-        log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
-        inv_tau_col = inv_tau.detach().to(dtype).reshape(-1, 1)  # [b, 1] or [1, 1]
-        positives = candidates[offset:offset + b]
-        s_pos = (anchors * positives).sum(1)
-        r_pos = None
-        if ref_anchors is not None:
-            r_pos = (ref_anchors * ref_candidates[offset:offset + b]).sum(1)
-        # running max m and running sum Σ exp(logit − m) of every row, and the same for h when normalising
-        run_max = torch.full((b,), float('-inf'), dtype=dtype, device=anchors.device)
-        run_sum = torch.zeros(b, dtype=dtype, device=anchors.device)
-        w_max, w_sum = run_max.clone(), run_sum.clone()
-
-        def accumulate(m, s, x):
-            m_new = torch.maximum(m, x.max(dim=1).values)
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all −inf so far: no NaN
-            s = s * torch.exp(m - m_safe) + torch.exp(x - m_safe[:, None]).sum(1)
-            return m_new, s
-
-        for c0 in range(0, num_candidates, tile_size):
-            c1 = min(c0 + tile_size, num_candidates)
-            rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
-            logits, _, log_w = _TiledLogMeanExpRows._tile_logits(
-                anchors, candidates[c0:c1], inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset,
-                log_weight, keep_ell=False, keep_log_w=normalize)
-            run_max, run_sum = accumulate(run_max, run_sum, logits)
-            if normalize:
-                w_max, w_sum = accumulate(w_max, w_sum, log_w)
-            del logits, log_w
-        lse = run_max + torch.log(run_sum)  # log Σ_{j≠i} exp(logit_ij): what backward's softmax needs
-        if normalize:
-            out = lse - (w_max + torch.log(w_sum))
-        else:
-            out = lse - math.log(num_candidates - 1)
-
+        with autocast_disabled(anchors.device):
+            out, lse, s_pos, r_pos = _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset,
+                                                  tile_size, negative_log_weight)
+        log_weight = negative_log_weight
+        if isinstance(negative_log_weight, RowNormalizedLogWeight):
+            log_weight = negative_log_weight.log_weight  # its normaliser is a constant of the graph
         ctx.save_for_backward(anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse)
         ctx.offset, ctx.tile_size, ctx.log_weight = offset, tile_size, log_weight
         return out
@@ -195,19 +159,28 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        # backward may run inside the caller's autocast region: nothing here is to be autocast
+        with autocast_disabled(grad_out.device):
+            return _TiledLogMeanExpRows._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse = ctx.saved_tensors
         offset, tile_size, log_weight = ctx.offset, ctx.tile_size, ctx.log_weight
         need_a, need_c, need_tau, need_ra, need_rc = ctx.needs_input_grad[:5]
-        dtype = anchors.dtype
+        dtype = elementwise_dtype(anchors.dtype)
         b, num_candidates = anchors.shape[0], candidates.shape[0]
         inv_tau_col = inv_tau.to(dtype).reshape(-1, 1)
         grad_out = grad_out.to(dtype)
         lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
 
-        grad_a = torch.zeros_like(anchors) if need_a else None
-        grad_c = torch.zeros_like(candidates) if need_c else None
-        grad_ra = torch.zeros_like(ref_anchors) if need_ra else None
-        grad_rc = torch.zeros_like(ref_candidates) if need_rc else None
+        def zeros(like):  # gradients accumulate in the elementwise dtype, whatever the features'
+            return torch.zeros(like.shape, dtype=dtype, device=like.device)
+
+        grad_a = zeros(anchors) if need_a else None
+        grad_c = zeros(candidates) if need_c else None
+        grad_ra = zeros(ref_anchors) if need_ra else None
+        grad_rc = zeros(ref_candidates) if need_rc else None
         grad_tau_rows = torch.zeros(b, dtype=dtype, device=anchors.device) if need_tau else None
         weight_rows = torch.zeros(b, dtype=dtype, device=anchors.device)  # Σ_j w_ij, for the positive term
 
@@ -227,14 +200,15 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
                 grad_tau_rows += (w * ell).sum(1)
                 del ell
             g = w.mul_(inv_tau_col)  # ∂/∂s_ij of out_i for j ≠ positive (in place: w is no longer needed)
+            # the products with the features run in the features' dtype (16-bit: on the tensor cores)
             if need_a:
-                grad_a.addmm_(g, c_tile)
+                grad_a += product(g.to(c_tile.dtype), c_tile)
             if need_c:
-                grad_c[c0:c1] = g.T @ anchors
+                grad_c[c0:c1] = product(g.T.to(anchors.dtype), anchors)
             if need_ra:
-                grad_ra.addmm_(g, rc_tile, alpha=-1)
+                grad_ra -= product(g.to(rc_tile.dtype), rc_tile)
             if need_rc:
-                grad_rc[c0:c1] = -(g.T @ ref_anchors)
+                grad_rc[c0:c1] = -product(g.T.to(ref_anchors.dtype), ref_anchors)
             del g
 
         # ℓ̂_ij subtracts s_ii (and adds s^ref_ii) for every j: those terms receive −inv_tau_i Σ_j w_ij (resp. +)
@@ -252,7 +226,60 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         if need_tau:
             grad_tau = grad_tau_rows.sum() if inv_tau.numel() == 1 else grad_tau_rows
             grad_tau = grad_tau.reshape(inv_tau.shape).to(inv_tau.dtype)
-        return grad_a, grad_c, grad_tau, grad_ra, grad_rc, None, None, None
+        grads = [grad if grad is None else grad.to(like.dtype)
+                 for grad, like in zip((grad_a, grad_c, grad_ra, grad_rc),
+                                       (anchors, candidates, ref_anchors, ref_candidates))]
+        return grads[0], grads[1], grad_tau, grads[2], grads[3], None, None, None
+
+
+def _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size, negative_log_weight,
+                 with_entropy=False):
+    """One streaming pass over the column tiles: (log g, log Σ_{j≠i} exp(logit_ij), s_ii, s^ref_ii) of every row,
+    and with `with_entropy` the entropy −Σ_j p_ij log p_ij of the row's softmax p over its negatives too."""
+    dtype = elementwise_dtype(anchors.dtype)
+    b, num_candidates = anchors.shape[0], candidates.shape[0]
+    normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
+    log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
+    inv_tau_col = inv_tau.detach().to(dtype).reshape(-1, 1)  # [b, 1] or [1, 1]
+    s_pos = (anchors.to(dtype) * candidates[offset:offset + b].to(dtype)).sum(1)
+    r_pos = None
+    if ref_anchors is not None:
+        r_pos = (ref_anchors.to(dtype) * ref_candidates[offset:offset + b].to(dtype)).sum(1)
+    # running max m and running sum Σ exp(logit − m) of every row, and the same for h when normalising; for the
+    # entropy the running Σ exp(logit − m)·logit as well
+    run_max = torch.full((b,), float('-inf'), dtype=dtype, device=anchors.device)
+    run_sum = torch.zeros(b, dtype=dtype, device=anchors.device)
+    w_max, w_sum, run_dot = run_max.clone(), run_sum.clone(), run_sum.clone()
+
+    def accumulate(m, s, x, dot=None):
+        m_new = torch.maximum(m, x.max(dim=1).values)
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all −inf so far: no NaN
+        rescale = torch.exp(m - m_safe)
+        e = torch.exp(x - m_safe[:, None])
+        s = s * rescale + e.sum(1)
+        if dot is not None:  # the positive's e is 0 and its logit −inf: leave it out of the product
+            dot = dot * rescale + (e * torch.where(e > 0, x, torch.zeros_like(x))).sum(1)
+        return m_new, s, dot
+
+    for c0 in range(0, num_candidates, tile_size):
+        c1 = min(c0 + tile_size, num_candidates)
+        rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
+        logits, _, log_w = _TiledLogMeanExpRows._tile_logits(
+            anchors, candidates[c0:c1], inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset,
+            log_weight, keep_ell=False, keep_log_w=normalize)
+        run_max, run_sum, run_dot = accumulate(run_max, run_sum, logits, run_dot if with_entropy else None)
+        if normalize:
+            w_max, w_sum, _ = accumulate(w_max, w_sum, log_w)
+        del logits, log_w
+    lse = run_max + torch.log(run_sum)  # log Σ_{j≠i} exp(logit_ij): what backward's softmax needs
+    if normalize:
+        out = lse - (w_max + torch.log(w_sum))
+    else:
+        out = lse - math.log(num_candidates - 1)
+    if with_entropy:
+        # H_i = lse_i − Σ_j p_ij logit_ij; normalising h shifts every logit of a row alike, which leaves H unchanged
+        return lse - run_dot / run_sum
+    return out, lse, s_pos, r_pos
 
 
 def tiled_log_mean_exp_rows(
@@ -267,12 +294,13 @@ def tiled_log_mean_exp_rows(
         tile_size: int = DEFAULT_TILE_SIZE,
 ) -> torch.Tensor:
     """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]) of the anchors against the candidates (anchor
-    i's positive is candidate offset + i): `core.log_mean_exp_sim` of their similarities, tiled. `tile_size` is the
+    i's positive is candidate offset + i): `dense.log_mean_exp_sim` of their similarities, tiled. `tile_size` is the
     number of candidate columns processed at a time, so no more than a [b, tile_size] block of a pairwise matrix is
     alive in forward or backward.
     Differentiable in `anchors`, `candidates`, `inv_tau` (0-dim, [1] or [b]) and the reference features.
-    Computes in the dtype of `anchors` (the core hands float32). `negative_log_weight` must be row-separable per
-    tile, or a `RowNormalizedLogWeight` (see the module docstring).
+    Products in the features' dtype, elementwise work in float32 or wider (`precision.py`); the result is float32
+    or wider. `negative_log_weight` must be row-separable per tile, or a `RowNormalizedLogWeight` (see the module
+    docstring).
     """
     inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
     _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
@@ -282,7 +310,7 @@ def tiled_log_mean_exp_rows(
 
 def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
                     negative_log_weight=None, *, tile_size: int = DEFAULT_TILE_SIZE):
-    """`core.dense_aggregate`, both directions tiled."""
+    """`dense.dense_aggregate`, both directions tiled (the contract in `dense.py`'s docstring)."""
     ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
     return (tiled_log_mean_exp_rows(image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
                                     negative_log_weight, tile_size=tile_size),
@@ -291,6 +319,19 @@ def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
 
 
 def make_tiled_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
-    """An `aggregate` for `DROContrastiveLoss` (the core's signature) with the given tile size."""
+    """An `aggregate` for `DROContrastiveLoss` (the contract in `dense.py`'s docstring) with the given tile size."""
     _check_tile_size(tile_size)
     return functools.partial(tiled_aggregate, tile_size=tile_size)
+
+
+@torch.no_grad()
+def negative_weight_entropy(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
+                            negative_log_weight=None, *, tile_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
+    """[b] entropy −Σ_{j≠i} p_ij log p_ij of every anchor's DRO weights over its negatives, p_ij the softmax of
+    ℓ̂_ij·inv_tau_i [+ log w_ij] over j ≠ i (the arguments of `tiled_log_mean_exp_rows`); exp of it is the effective
+    number of negatives. One streaming pass, memory linear in the batch, whichever aggregation the loss uses."""
+    inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
+    _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
+    with autocast_disabled(anchors.device):
+        return _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, int(offset), tile_size,
+                            negative_log_weight, with_entropy=True)

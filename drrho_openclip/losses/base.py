@@ -1,0 +1,35 @@
+"""What the losses share beyond their arithmetic: where reference features come from, and how the last call's
+diagnostics reach the training loop's logger."""
+import torch
+
+
+class ReferenceFeatures:
+    """Mixin of every loss that reads reference features: checks that the batch carries them, and fills them from
+    an online reference model when one is set."""
+
+    # callable (images, texts) -> (ref_image_features, ref_text_features), set for an online reference model;
+    # a plain attribute, not a submodule, so the reference weights never enter the loss's state_dict
+    reference_encoder = None
+
+    def prepare_batch(self, images, texts, extras: dict) -> dict:
+        if self.reference_encoder is None:
+            return extras
+        ref_image, ref_text = self.reference_encoder(images, texts)
+        return {**extras, 'ref_image_features': ref_image, 'ref_text_features': ref_text}
+
+    @staticmethod
+    def require_reference(ref_image_features, ref_text_features, purpose: str):
+        """Raise unless the batch carries both reference feature sets; `purpose` says what this loss needs them
+        for (e.g. "shifts by the reference model")."""
+        if ref_image_features is None or ref_text_features is None:
+            raise ValueError(f"this loss {purpose}: the batch carries no reference features (pass --ref-features "
+                             f"DIR or --ref-model)")
+
+
+class LastCallMetrics:
+    """Mixin: `metrics()` reports the 0-dim tensors the last call kept in `self._last` as Python floats (one host
+    synchronisation, when the training loop logs, not at every call)."""
+
+    def metrics(self) -> dict:
+        return {key: value.item() if isinstance(value, torch.Tensor) else float(value)
+                for key, value in self._last.items()}

@@ -1,0 +1,193 @@
+"""Where the losses compute and in which dtype: `loss.to(device)` moves all of a loss's state and a call runs there
+(the sample index may arrive on the host), the collectives refuse a tensor off the features' device, 16-bit
+features keep the pairwise products in 16 bits, and the aggregations' backward ignores the caller's autocast."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from drrho_openclip.losses import create_loss
+from drrho_openclip.losses.collectives import all_reduce, gather_batch
+from drrho_openclip.losses.dense import dense_aggregate
+from drrho_openclip.losses.tiled import make_tiled_aggregate
+
+META = torch.device('meta')  # a device other than the CPU that needs no accelerator: shapes and devices only
+
+# the per-sample and constant state of every kind: u, per-sample τ and its Adam moments, TempNet, a fixed τ buffer
+MOVABLE = {
+    'drrho': dict(gamma=0.5),
+    'drrho-tiled-sharded': dict(gamma=0.5, tile_size=3, state_layout='sharded'),
+    'isogclr': dict(),
+    'tempnet': dict(embed_dim=8),
+    'adnce': dict(adnce_sigma=0.5),
+    'fastclip+kd': dict(distill_weight=0.3),
+}
+
+
+def build(case, **extra):
+    return create_loss(case.split('-')[0].split('+')[0], num_samples=16, **MOVABLE[case], **extra)
+
+
+def batch(device, n=6, d=8, requires_grad=True):
+    g = torch.Generator().manual_seed(0)
+    image, text, ref_image, ref_text = (F.normalize(torch.randn(n, d, generator=g), dim=1).to(device)
+                                        for _ in range(4))
+    return image.requires_grad_(requires_grad), text.requires_grad_(requires_grad), ref_image, ref_text
+
+
+@pytest.mark.parametrize('case', sorted(MOVABLE))
+def test_to_moves_every_table_and_a_call_runs_there(case):
+    loss = build(case).to(META)
+    tensors = dict(loss.named_buffers()) | dict(loss.named_parameters())
+    assert tensors and all(t.device == META for t in tensors.values()), {k: t.device for k, t in tensors.items()}
+    image, text, ref_image, ref_text = batch(META)
+    logit_scale = torch.tensor(20.0, device=META, requires_grad=True)
+    index = torch.arange(6)  # on the host, as a loader may hand it over: moved once, before any use
+    out = loss(image, text, logit_scale, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
+               output_dict=True)
+    sum(out.values()).backward()
+    assert image.grad.device == META and text.grad.device == META
+    assert all(t.device == META for t in dict(loss.named_buffers()).values())
+
+
+def test_a_loss_left_on_the_host_says_so():
+    loss = build('drrho')  # not moved: its tables are on the CPU, the features elsewhere
+    image, text, ref_image, ref_text = batch(META)
+    with pytest.raises(RuntimeError, match=r"per-sample table is on cpu.*loss\.to\('meta'\)"):
+        loss(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
+
+
+def test_reference_features_off_the_features_device_are_refused():
+    loss = build('drrho').to(META)
+    image, text, _, _ = batch(META)
+    _, _, ref_image, ref_text = batch('cpu')
+    with pytest.raises(RuntimeError, match="is on cpu, but the loss computes and communicates on meta"):
+        loss(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
+
+
+def test_collectives_refuse_a_tensor_off_the_features_device():
+    host = torch.zeros(3)
+    for with_grad in (False, True):
+        with pytest.raises(RuntimeError, match='is on cpu, but the loss computes and communicates on meta'):
+            gather_batch(host, 1, with_grad=with_grad, device=META)
+    with pytest.raises(RuntimeError, match='is on cpu'):
+        all_reduce(host, 1, device=META)
+    assert gather_batch(host, 1, with_grad=False, device=torch.device('cpu')) is host
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 16-bit features: the products in 16 bits (float32 accumulation), the elementwise work in float32
+#
+# The features are drawn from a grid that bf16 holds exactly, with exact bf16 dot products too (multiples of 1/4 in
+# [-1, 1], d = 8: every partial sum is a multiple of 1/16 below 8 in magnitude, 7 significant bits). So whether the
+# device's 16-bit product keeps a float32 result (CUDA) or rounds it to bf16 (the CPU), the similarities are the
+# float32 path's; what remains is the aggregation's own bf16 roundings: the b×B gradient weights and the
+# gradients themselves, 2^-8 relative each, so gradients are compared at 2^-6 of their scale.
+
+AGGREGATIONS = {'dense': dense_aggregate, 'tiled': make_tiled_aggregate(5)}
+
+
+def grid(g, n, d=8):
+    return torch.randint(-4, 5, (n, d), generator=g).float() / 4
+
+
+def aggregation_inputs(dtype, b=12):
+    g = torch.Generator().manual_seed(3)
+    image, text, ref_image, ref_text = (grid(g, b).to(dtype) for _ in range(4))
+    inv_tau = torch.full((b,), 5.0)  # similarities up to ±8: logits spanning ±80
+    return image.requires_grad_(), text.requires_grad_(), (ref_image, ref_text, ref_image, ref_text), inv_tau
+
+
+def run_aggregation(aggregate, dtype, upcast=False):
+    image, text, reference, inv_tau = aggregation_inputs(dtype)
+    leaves = (image, text)
+    if upcast:  # the same bf16 values, computed in float32
+        image, text = image.float(), text.float()
+        reference = tuple(r.float() for r in reference)
+    log_g = aggregate(image, text, image, text, 0, inv_tau, inv_tau.flip(0), reference)
+    upstream = torch.linspace(-1, 2, log_g[0].numel())
+    grads = torch.autograd.grad(log_g[0] @ upstream + log_g[1] @ upstream.flip(0), leaves)
+    return [*log_g, *grads]
+
+
+class _ProductDtypes(TorchDispatchMode):
+    """The input dtypes of every matrix product dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('aggregation', sorted(AGGREGATIONS))
+def test_bf16_features_multiply_in_bf16_and_match_the_float32_path(aggregation):
+    aggregate = AGGREGATIONS[aggregation]
+    with _ProductDtypes() as products:
+        got = run_aggregation(aggregate, torch.bfloat16)
+    assert products.seen and all(set(dtypes) == {torch.bfloat16} for dtypes in products.seen), products.seen
+    want = run_aggregation(aggregate, torch.bfloat16, upcast=True)
+    log_g_image, log_g_text, grad_image, grad_text = got
+    assert log_g_image.dtype == torch.float32 and grad_image.dtype == torch.bfloat16
+    for a, b in ((log_g_image, want[0]), (log_g_text, want[1])):  # float32 elementwise work on equal similarities
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+    for a, b in ((grad_image, want[2]), (grad_text, want[3])):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2 ** -6 * b.abs().max().item())
+
+
+@pytest.mark.parametrize('aggregation', sorted(AGGREGATIONS))
+def test_float32_features_multiply_in_float32(aggregation):
+    with _ProductDtypes() as products:
+        run_aggregation(AGGREGATIONS[aggregation], torch.float32)
+    assert products.seen and all(set(dtypes) == {torch.float32} for dtypes in products.seen), products.seen
+
+
+@pytest.mark.parametrize('tile_size', [0, 4])
+def test_bf16_loss_is_close_to_the_float32_loss(tile_size):
+    """The whole DRO loss on bf16 features (reference shift, u state, KD) against the same values in float32."""
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        loss = create_loss('drrho', num_samples=16, temperature=0.2, gamma=0.5, tile_size=tile_size,
+                           distill_weight=0.25, reference_logit_scale=5.0)
+        g = torch.Generator().manual_seed(4)
+        image, text, ref_image, ref_text = (grid(g, 10).to(torch.bfloat16).to(dtype) for _ in range(4))
+        image.requires_grad_(), text.requires_grad_()
+        for step in range(2):  # the second call reads the u of the first
+            loss.set_epoch(step)
+            out = loss(image, text, index=torch.arange(10), ref_image_features=ref_image, ref_text_features=ref_text,
+                       output_dict=True)
+        total = sum(out.values())
+        results.append([total, *torch.autograd.grad(total, [image, text]), loss.state.log_u_image[:10]])
+    (total, *rest), (want_total, *want_rest) = results
+    torch.testing.assert_close(total, want_total, rtol=1e-5, atol=1e-5)
+    for got, want in zip(rest, want_rest):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# backward inside the caller's autocast region (OpenCLIP calls backward outside it; other loops need not)
+
+
+@pytest.mark.parametrize('tile_size', [0, 4])
+@pytest.mark.parametrize('name, options', [('drrho', dict(gamma=0.5)), ('isogclr', dict()),
+                                           ('drrho', dict(gamma=0.5, learn_temperature=True))])
+def test_backward_inside_autocast_equals_backward_outside(name, options, tile_size):
+    results = []
+    for inside in (False, True):
+        loss = create_loss(name, num_samples=16, tile_size=tile_size, **options)
+        image, text, ref_image, ref_text = batch('cpu', n=10)
+        logit_scale = torch.tensor(30.0, requires_grad=True)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            total = loss(image, text, logit_scale, index=torch.arange(10), ref_image_features=ref_image,
+                         ref_text_features=ref_text)
+            if inside:
+                grads = torch.autograd.grad(total, [image, text, logit_scale], allow_unused=True)
+        if not inside:
+            grads = torch.autograd.grad(total, [image, text, logit_scale], allow_unused=True)
+        results.append([total, *(g for g in grads if g is not None)])
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,90 @@
+"""The DRO loss's diagnostics against a float64 computation from their definitions: the effective number of
+negatives per anchor, exp(−Σ_{j≠i} p_ij log p_ij) with p_ij the DRO weights over the negatives, and the mean
+reference margin s^ref_ii − s^ref_ij, both averaged over the anchors of both directions."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drrho_openclip.losses import create_loss
+
+N = 9
+F64 = dict(dtype=torch.float64)
+
+
+def features(seed, n=N, d=6):
+    g = torch.Generator().manual_seed(seed)
+    image, text = (F.normalize(torch.randn(n, d, generator=g, **F64), dim=1) for _ in range(2))
+    ref_image = F.normalize(image + 0.8 * torch.randn(n, d, generator=g, **F64), dim=1)
+    ref_text = F.normalize(text + 0.8 * torch.randn(n, d, generator=g, **F64), dim=1)
+    return image, text, ref_image, ref_text
+
+
+def effective_negatives(sim, ref_sim, tau, log_weight=None):
+    """Mean over the rows of exp(entropy of the softmax over j ≠ i of ℓ̂_ij/τ [+ log w̄_ij]), explicitly."""
+    values = []
+    for i in range(sim.shape[0]):
+        others = [j for j in range(sim.shape[1]) if j != i]
+        ell = torch.stack([(sim[i, j] - sim[i, i]) - (0 if ref_sim is None else ref_sim[i, j] - ref_sim[i, i])
+                           for j in others])
+        logits = ell / tau
+        if log_weight is not None:
+            h = torch.stack([log_weight(sim[i, j]) for j in others])
+            logits = logits + h - torch.log(h.exp().mean())
+        p = torch.softmax(logits, dim=0)
+        values.append(torch.exp(-(p * p.log()).sum()))
+    return torch.stack(values)
+
+
+def reference_margin(ref_sim):
+    n = ref_sim.shape[0]
+    return sum(ref_sim[i, i] - ref_sim[i, j] for i in range(n) for j in range(n) if j != i) / (n * (n - 1))
+
+
+def gaussian(mu, sigma):
+    return lambda s: -0.5 * ((s - mu) / sigma) ** 2
+
+
+CASES = {
+    'drrho': ('drrho', dict(temperature=0.05, gamma=0.5), 0.05, None),
+    'drrho-tiled': ('drrho', dict(temperature=0.05, gamma=0.5, tile_size=4), 0.05, None),
+    'sogclr': ('sogclr', dict(temperature=0.1), 0.1, None),
+    'adnce-shifted-tiled': ('adnce', dict(temperature=0.2, adnce_mu=0.3, adnce_sigma=0.4, reference_shift=True,
+                                          tile_size=2), 0.2, gaussian(0.3, 0.4)),
+    # its τ table is float32: the first call's τ is 0.07 rounded to float32
+    'isogclr': ('isogclr', dict(temperature=0.07, tau_min=0.01), torch.tensor(0.07).item(), None),
+}
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_diagnostics_match_their_definitions(case):
+    name, options, tau, log_weight = CASES[case]
+    loss = create_loss(name, num_samples=N, **options).double()
+    image, text, ref_image, ref_text = features(1)
+    image.requires_grad_(), text.requires_grad_()
+    loss(image, text, index=torch.arange(N), ref_image_features=ref_image, ref_text_features=ref_text)
+    metrics = loss.metrics()
+    shifted = loss.use_reference
+    sim = image.detach() @ text.detach().T
+    ref_sim = ref_image @ ref_text.T if shifted else None
+    want = torch.cat([effective_negatives(sim, ref_sim, tau, log_weight),
+                      effective_negatives(sim.T, None if ref_sim is None else ref_sim.T, tau, log_weight)]).mean()
+    assert 1 <= metrics['effective_negatives'] <= N - 1
+    assert math.isclose(metrics['effective_negatives'], want.item(), rel_tol=1e-9)
+    if shifted:
+        assert math.isclose(metrics['reference_margin'], reference_margin(ref_sim).item(), rel_tol=1e-9)
+    else:
+        assert 'reference_margin' not in metrics
+
+
+def test_effective_negatives_span_one_to_all():
+    """Uniform weights count every negative; a temperature near 0 concentrates them on the hardest one."""
+    image = text = torch.eye(N, 2 * N, **F64)  # every negative equally far from every anchor
+    uniform = create_loss('sogclr', temperature=0.5, gamma=1.0).double()
+    uniform(image, text)
+    assert math.isclose(uniform.metrics()['effective_negatives'], N - 1, rel_tol=1e-12)
+    image, text, _, _ = features(2)
+    sharp = create_loss('sogclr', temperature=1e-4, gamma=1.0).double()
+    sharp(image, text)
+    assert math.isclose(sharp.metrics()['effective_negatives'], 1.0, rel_tol=1e-6)
