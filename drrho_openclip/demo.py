@@ -258,7 +258,8 @@ def plot(path: Path, runs, reference_accuracy: float, chance: float):
         loss.plot(steps, values, label=run.label)
     accuracy.axhline(100 * reference_accuracy, color='grey', ls='--', label='reference (its own split)')
     accuracy.axhline(100 * chance, color='grey', ls=':', lw=1, label='chance')
-    accuracy.set(xlabel='epoch', ylabel='zero-shot top-1 (%)', ylim=(0, None), title='Zero-shot accuracy on the test split')
+    accuracy.set(xlabel='epoch', ylabel='zero-shot top-1 (%)', ylim=(0, None),
+                 title='Zero-shot accuracy on the test split')
     accuracy.xaxis.set_major_locator(MaxNLocator(integer=True))
     loss.set(xlabel='step', ylabel='training loss (its own objective)', yscale='log', title='Training loss')
     loss.yaxis.set_major_formatter(ScalarFormatter())
