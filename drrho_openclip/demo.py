@@ -271,6 +271,26 @@ def plot(path: Path, runs, reference_accuracy: float, chance: float):
     plt.close(fig)
 
 
+def report(root: Path, reference, targets):
+    """The table of the final zero-shot accuracies, results.json, and the figure (when matplotlib is installed)."""
+    chance = 1 / len(zero_shot_classes())
+    results = {'reference (clip, its own split)': reference.accuracy[-1],
+               'target, --loss drrho': targets[0].accuracy[-1], 'target, --loss clip': targets[1].accuracy[-1]}
+    print(f"\n{'model':<34} zero-shot top-1 on {TEST_SAMPLES} test images (chance {chance:.1%})")
+    for name, accuracy in results.items():
+        print(f"{name:<34} {accuracy:.1%}")
+    (root / 'results.json').write_text(json.dumps({
+        'zero_shot_top1': results, 'test_images': TEST_SAMPLES, 'chance': chance,
+        'top1_per_epoch': {run.name: run.accuracy for run in (reference, *targets)},
+        'loss_per_step': {run.name: run.loss for run in (reference, *targets)}}, indent=1))
+    try:
+        plot(root / 'accuracy.png', targets, reference.accuracy[-1], chance)
+        print(f"\nfigure:  {root / 'accuracy.png'}")
+    except ImportError:
+        print("\nfigure:  not drawn, matplotlib is not installed (pip install matplotlib)")
+    print(f"results: {root / 'results.json'}\nlogs:    {root / 'logs'}/")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='drrho-openclip-demo', description=__doc__.split('\n')[0])
     p.add_argument('--workdir', default='drrho-demo', help='where data, features and runs go (default: %(default)s)')
@@ -325,22 +345,7 @@ def main(argv=None):
     for run in targets:
         run.run(test_set)
 
-    chance = 1 / len(zero_shot_classes())
-    results = {'reference (clip, its own split)': reference.accuracy[-1],
-               'target, --loss drrho': targets[0].accuracy[-1], 'target, --loss clip': targets[1].accuracy[-1]}
-    print(f"\n{'model':<34} zero-shot top-1 on {TEST_SAMPLES} test images (chance {chance:.1%})")
-    for name, accuracy in results.items():
-        print(f"{name:<34} {accuracy:.1%}")
-    (root / 'results.json').write_text(json.dumps({
-        'zero_shot_top1': results, 'test_images': TEST_SAMPLES, 'chance': chance,
-        'top1_per_epoch': {run.name: run.accuracy for run in (reference, *targets)},
-        'loss_per_step': {run.name: run.loss for run in (reference, *targets)}}, indent=1))
-    try:
-        plot(root / 'accuracy.png', targets, reference.accuracy[-1], chance)
-        print(f"\nfigure:  {root / 'accuracy.png'}")
-    except ImportError:
-        print("\nfigure:  not drawn, matplotlib is not installed (pip install matplotlib)")
-    print(f"results: {root / 'results.json'}\nlogs:    {args.logs}/")
+    report(root, reference, targets)
     return 0
 
 
