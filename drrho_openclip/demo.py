@@ -249,7 +249,7 @@ def plot(path: Path, runs, reference_accuracy: float, chance: float):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
     fig, (accuracy, loss) = plt.subplots(1, 2, figsize=(10, 3.8))
     for run in runs:
         epochs = range(1, len(run.accuracy) + 1)
@@ -263,9 +263,10 @@ def plot(path: Path, runs, reference_accuracy: float, chance: float):
     accuracy.xaxis.set_major_locator(MaxNLocator(integer=True))
     loss.set(xlabel='step', ylabel='training loss (its own objective)', yscale='log', title='Training loss')
     loss.yaxis.set_major_formatter(ScalarFormatter())
+    loss.yaxis.set_minor_formatter(NullFormatter())
     for ax in (accuracy, loss):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc='lower right' if ax is accuracy else 'upper right')
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
