@@ -244,12 +244,12 @@ class TrainingRun:
 
 def plot(path: Path, runs, reference_accuracy: float, chance: float):
     """accuracy.png: zero-shot top-1 after every epoch (left) and the training loss per step (right) of each
-    target, the reference's accuracy as a line. Each loss is plotted on its own scale (the DRO objective of drrho
-    is not a cross-entropy): a log axis shows both."""
+    target, the reference's accuracy as a line. Each loss is its own objective (drrho's DRO objective is not a
+    cross-entropy): compare their shapes, not their values."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
+    from matplotlib.ticker import MaxNLocator
     fig, (accuracy, loss) = plt.subplots(1, 2, figsize=(10, 3.8))
     for run in runs:
         epochs = range(1, len(run.accuracy) + 1)
@@ -261,9 +261,7 @@ def plot(path: Path, runs, reference_accuracy: float, chance: float):
     accuracy.set(xlabel='epoch', ylabel='zero-shot top-1 (%)', ylim=(0, None),
                  title='Zero-shot accuracy on the test split')
     accuracy.xaxis.set_major_locator(MaxNLocator(integer=True))
-    loss.set(xlabel='step', ylabel='training loss (its own objective)', yscale='log', title='Training loss')
-    loss.yaxis.set_major_formatter(ScalarFormatter())
-    loss.yaxis.set_minor_formatter(NullFormatter())
+    loss.set(xlabel='step', ylabel='training loss (its own objective)', title='Training loss')
     for ax in (accuracy, loss):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc='lower right' if ax is accuracy else 'upper right')
