@@ -33,7 +33,9 @@ tiny model's step). The quick mode is a pipeline check: 48 steps per target leav
 spread of several points over seeds. Outputs, in `benchmarks/results/replication/` (suffix `_quick` for
 --quick): `replication.md` (tables), `replication.json` (every curve), `accuracy_vs_samples.png`,
 `scaling_input.csv` (input for benchmarks/scaling_law.py). Data, logs and checkpoints go to
-`benchmarks/results/tmp/replication/` (checkpoints are deleted once evaluated).
+`benchmarks/results/tmp/replication/` (checkpoints are deleted once evaluated). The terminal shows a line per stage
+and a progress bar over the target runs (a run that fails is named there); each run's OpenCLIP output is in
+`<workdir>/logs/<run>.console.txt`.
 """
 import argparse
 import concurrent.futures
@@ -56,6 +58,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / 'results' / 'replication'
@@ -161,12 +164,10 @@ def prepare_fashion_mnist(root: Path, n_ref: int, n_train: int, n_test: int, see
 
 def prepare_shapes(root: Path, n_ref: int, n_train: int, n_test: int) -> dict:
     """The demo's drawn shapes (colour x shape classes), the fallback when Fashion-MNIST cannot be installed."""
-    from drrho_openclip.demo import make_split, zero_shot_classes
+    from drrho_openclip.demo import make_split, shape_classes
     out = {name: str(make_split(root, name, n, seed)) for name, n, seed in
            (('ref', n_ref, 1), ('train', n_train, 2), ('test', n_test, 3))}
-    # class_prompt(colour, shape) is 'a {colour} {shape}'
-    (root / 'classes.json').write_text(json.dumps(
-        {'classnames': [f'{c} {s}' for c, s in zero_shot_classes()], 'templates': ['a {}']}))
+    (root / 'classes.json').write_text(json.dumps(shape_classes()))
     out['classes'] = str(root / 'classes.json')
     return out
 
@@ -214,10 +215,10 @@ class Dataset:
         return Dataset('::'.join(self.shards[:k]), self.args)
 
     def openclip_args(self, num_samples: int):
+        from drrho_openclip.demo import csv_data_args
         a = self.args
         if self.is_csv:
-            return ['--train-data', self.spec, '--dataset-type', 'csv', '--csv-separator', a.csv_separator,
-                    '--csv-img-key', a.csv_img_key, '--csv-caption-key', a.csv_caption_key]
+            return csv_data_args(self.spec, a.csv_separator, a.csv_img_key, a.csv_caption_key)
         return ['--train-data', self.spec, '--dataset-type', 'webdataset', '--train-num-samples', num_samples]
 
     def samples(self, limit: int, with_text: bool):
@@ -267,34 +268,22 @@ def _cached(key, build):
 
 
 def _model(name):
-    import open_clip
-    model, _, preprocess = open_clip.create_model_and_transforms(name)
-    return model.eval(), preprocess, open_clip.get_tokenizer(name)
+    from drrho_openclip.demo import untrained_model
+    return _cached(('model', name), lambda: untrained_model(name))
 
 
 def _load(model_name, checkpoint):
-    import open_clip
-    model, preprocess, tokenizer = _cached(('model', model_name), lambda: _model(model_name))
-    open_clip.load_checkpoint(model, str(checkpoint), strict=False)  # strict=False: a loss may add parameters
-    return model, preprocess, tokenizer
+    from drrho_openclip.demo import load_weights
+    model, preprocess, tokenizer = _model(model_name)
+    return load_weights(model, checkpoint), preprocess, tokenizer
 
 
 def _test_set(task):
     import torch
-    _, preprocess, _ = _cached(('model', task['model']), lambda: _model(task['model']))
+    _, preprocess, _ = _model(task['model'])
     data = Dataset(task['test_data'], task['args'])
     pairs = list(data.samples(task['test_samples'], with_text=False))
     return torch.stack([preprocess(image) for image, _ in pairs]), torch.tensor([label for _, label in pairs])
-
-
-def zero_shot_accuracy(model, tokenizer, images, labels, classes: dict) -> float:
-    import torch
-    from open_clip import build_zero_shot_classifier
-    with torch.no_grad():
-        classifier = build_zero_shot_classifier(model, tokenizer, classes['classnames'], classes['templates'],
-                                                device='cpu', use_tqdm=False)
-        logits = torch.cat([model.encode_image(chunk, normalize=True) for chunk in images.split(500)]) @ classifier
-    return (logits.argmax(dim=1) == labels).float().mean().item()
 
 
 def per_sample_clip_loss(image_features, text_features, logit_scale: float, batch_size: int):
@@ -330,13 +319,14 @@ def _features(model, images, texts):
 
 def _variance_set(task):
     import torch
-    _, preprocess, tokenizer = _cached(('model', task['model']), lambda: _model(task['model']))
+    _, preprocess, tokenizer = _model(task['model'])
     pairs = list(Dataset(task['variance_data'], task['args']).samples(task['variance_samples'], with_text=True))
     return torch.stack([preprocess(image) for image, _ in pairs]), tokenizer([caption for _, caption in pairs])
 
 
 def run_task(task: dict) -> dict:
     """Train one run with `open_clip_train.main` in this process, then evaluate every epoch's checkpoint."""
+    from drrho_openclip.demo import zero_shot_accuracy
     from drrho_openclip.train import main as train
     logs = Path(task['logs'])
     console = logs / f"{task['name']}.console.txt"
@@ -450,10 +440,10 @@ def reads_reference(reference: str, flags) -> bool:
 
 
 def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=()):
-    return [*data.openclip_args(num_samples), '--model', model, '--batch-size', args.batch_size, '--epochs', epochs,
-            '--lr', args.preset['lr'], '--wd', '0.1', '--warmup', '5', '--workers', '0', '--precision', 'fp32',
-            '--device', 'cpu', '--seed', seed, '--logs', logs, '--name', name, '--save-frequency', '1',
-            '--log-every-n-steps', '1000', *extra]
+    from drrho_openclip.demo import train_args
+    # in-process runs: no loader worker processes, and a log line per epoch rather than per step
+    return train_args(model, data.openclip_args(num_samples), logs, name, epochs=epochs, batch_size=args.batch_size,
+                      lr=args.preset['lr'], seed=seed, warmup=5, workers=0, log_every_n_steps=1000, extra=extra)
 
 
 def precompute(model, checkpoint, data: Dataset, output: Path, args):
@@ -671,13 +661,19 @@ def main(argv=None):
                                   variance_samples=size,
                                   argv=train_argv(model, subsets[fraction], n, logs, name, epochs, args, seed, extra)))
     print(f"[2/3] {len(tasks)} target runs: {len(losses)} losses x {len(FRACTIONS)} fractions x {len(args.seeds)} "
-          f"seeds, {samples_seen} samples seen each, {args.jobs} worker processes", flush=True)
+          f"seeds, {samples_seen} samples seen each, {args.jobs} worker processes; logs in {logs}/",
+          flush=True)
     runs = []
+    progress = tqdm(total=len(tasks), unit='run', dynamic_ncols=True, desc='      target runs')
     for future in concurrent.futures.as_completed([pool.submit(run_task, t) for t in tasks]):
         r = future.result()
         runs.append(r)
-        status = r['error'] if 'error' in r else f"top-1 {r['accuracy']:.1%}"
-        print(f"      [{len(runs):3d}/{len(tasks)}] {r['name']:<24} {r['train_seconds']:5.1f}s  {status}", flush=True)
+        if 'error' in r:  # a loss that cannot run is reported as it happens; the rest is in the tables
+            progress.write(f"      {r['name']}: {r['error']} (see {logs}/{r['name']}.console.txt)")
+        progress.set_postfix_str(f"last: {r['name']}" + ('' if 'error' in r else f" top-1 {r['accuracy']:.1%}"),
+                                 refresh=False)
+        progress.update()
+    progress.close()
     pool.shutdown()
 
     print("[3/3] writing results", flush=True)

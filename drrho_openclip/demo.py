@@ -1,17 +1,28 @@
 """The embedded default job: DRRho-CLIP end to end on procedurally drawn shapes, on a CPU, with no download.
 
-    python -m drrho_openclip.demo [--workdir DIR] [--epochs N]
+    python -m drrho_openclip.demo [--workdir DIR] [--epochs N] [--verbose]
 
 1. draws coloured shapes with compositional captions ("a small red circle on a light background") into three
    disjoint CSV splits: the reference model's training set, the target's training set and a test set;
 2. trains a tiny reference CLIP on its split with `--loss clip` (OpenCLIP's own training, `open_clip_train.main`);
-3. precomputes the reference features of the target's training set (`drrho_openclip.precompute`);
-4. trains the target twice on its split: with `--loss drrho --ref-features ...`, and with `--loss clip` for comparison;
-5. prints the zero-shot top-1 accuracy of the three models on the test split (classes: colour × shape).
+3. precomputes the reference features of the target's training split (`drrho_openclip.precompute`);
+4. trains the target on its split with `--loss drrho --ref-features ...`,
+5. and with `--loss clip` for comparison;
+then prints the zero-shot top-1 accuracy of the three models on the test split (classes: colour x shape) and draws
+`accuracy.png`: the targets' accuracy after every epoch and their training loss per step, with the reference's
+accuracy as a line.
+
+The terminal shows one progress line per stage; the full output of every command (OpenCLIP's logs) goes to
+`<workdir>/logs/<run>/console.log` (`--verbose` shows it on the terminal too). Every epoch's checkpoint is scored
+as soon as its run ends; then only the last one is kept.
 """
 import argparse
 import json
+import logging
+import math
 import random
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +33,7 @@ SHAPES = ('circle', 'square', 'triangle', 'cross')
 SIZES = {'small': 0.22, 'large': 0.4}
 BACKGROUNDS = {'light': (235, 235, 235), 'dark': (45, 45, 45)}
 IMAGE_SIZE = 32
+TEST_SAMPLES = 400
 
 TINY_MODEL = {
     "model_cfg": {"embed_dim": 32,
@@ -30,13 +42,19 @@ TINY_MODEL = {
     "preprocess_cfg": {},
 }
 
-
-def class_prompt(color, shape):
-    return f"a {color} {shape}"
+# one line of open_clip_train's log per logged step: "Train Epoch: 3 [ 512/2048 (25%)] ... Loss: 2.1 (2.3)"
+TRAIN_LOG_LINE = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/\d+ .*? Loss: ([-+\d.eE]+)')
+PRECOMPUTE_PROGRESS = re.compile(r': (\d+)sample ')  # precompute's tqdm bar: "part 0/1: 256sample [00:01, ..."
 
 
 def zero_shot_classes():
     return [(c, s) for c in COLORS for s in SHAPES]
+
+
+def shape_classes() -> dict:
+    """The shapes' zero-shot task in the class-file form of benchmarks/replication.py: prompts 'a {colour} {shape}',
+    class index = label."""
+    return {'classnames': [f'{c} {s}' for c, s in zero_shot_classes()], 'templates': ['a {}']}
 
 
 def draw(color, shape, size, background, rng):
@@ -66,8 +84,9 @@ def caption(color, shape, size, background, rng):
     return rng.choice(templates).format(size=size, color=color, shape=shape, bg=background)
 
 
-def make_split(root: Path, name: str, count: int, seed: int) -> Path:
-    """Draw `count` image-caption pairs into root/name/ and write root/name.csv (tab-separated: filepath, title)."""
+def make_split(root: Path, name: str, count: int, seed: int, progress=None) -> Path:
+    """Draw `count` image-caption pairs into root/name/ and write root/name.csv (tab-separated: filepath, title,
+    label); `progress`, a tqdm bar, advances by one per image."""
     rng = random.Random(seed)
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -80,6 +99,8 @@ def make_split(root: Path, name: str, count: int, seed: int) -> Path:
         path = folder / f"{i:06d}.png"
         draw(color, shape, size, background, rng).save(path)
         rows.append(f"{path}\t{caption(color, shape, size, background, rng)}\t{label}")
+        if progress is not None:
+            progress.update()
     csv = root / f"{name}.csv"
     csv.write_text('\n'.join(rows) + '\n')
     return csv
@@ -92,81 +113,238 @@ def write_tiny_model(folder: Path) -> str:
     return f"local-dir:{folder}"
 
 
-def zero_shot_accuracy(model_name: str, checkpoint: str, test_csv: Path) -> float:
-    """Top-1 accuracy of colour×shape classification with the prompts 'a {colour} {shape}'."""
+# ---- training and zero-shot scoring, shared with benchmarks/replication.py ----------------------------------------
+
+def csv_data_args(csv, separator='\t', img_key='filepath', caption_key='title'):
+    """open_clip_train.main's flags for training on a CSV file."""
+    return ['--train-data', csv, '--dataset-type', 'csv', '--csv-separator', separator, '--csv-img-key', img_key,
+            '--csv-caption-key', caption_key]
+
+
+def train_args(model, data_args, logs, name, *, epochs, batch_size, lr, seed=0, warmup=10, workers=1,
+               log_every_n_steps=1, extra=()):
+    """open_clip_train.main's arguments for a CPU run that saves a checkpoint after every epoch (to score it)."""
+    return [*data_args, '--model', model, '--batch-size', batch_size, '--epochs', epochs, '--lr', lr, '--wd', '0.1',
+            '--warmup', warmup, '--workers', workers, '--precision', 'fp32', '--device', 'cpu', '--seed', seed,
+            '--logs', logs, '--name', name, '--save-frequency', '1', '--log-every-n-steps', log_every_n_steps, *extra]
+
+
+def untrained_model(name: str):
+    """(model in eval mode, its evaluation transform, its tokenizer) of an OpenCLIP model name, no weights loaded."""
     import open_clip
+    logging.disable(logging.WARNING)  # open_clip warns that no weights were found: a checkpoint is loaded next
+    try:
+        model, _, preprocess = open_clip.create_model_and_transforms(name)
+    finally:
+        logging.disable(logging.NOTSET)
+    return model.eval(), preprocess, open_clip.get_tokenizer(name)
+
+
+def load_weights(model, checkpoint):
+    """The weights of an open_clip_train checkpoint into `model`; strict=False: a loss may add parameters."""
+    import open_clip
+    open_clip.load_checkpoint(model, str(checkpoint), strict=False)
+    return model
+
+
+def zero_shot_accuracy(model, tokenizer, images, labels, classes: dict) -> float:
+    """Top-1 accuracy of `images` ([n, 3, h, w], preprocessed) against `labels` ([n]) with the classifier built from
+    `classes` = {'classnames': [...], 'templates': ['a photo of a {}.', ...]}."""
+    import torch
+    from open_clip import build_zero_shot_classifier
+    with torch.no_grad():
+        classifier = build_zero_shot_classifier(model, tokenizer, classes['classnames'], classes['templates'],
+                                                device='cpu', use_tqdm=False)
+        logits = torch.cat([model.encode_image(chunk, normalize=True) for chunk in images.split(500)]) @ classifier
+    return (logits.argmax(dim=1) == labels).float().mean().item()
+
+
+def labelled_images(csv: Path, preprocess):
+    """([n, 3, h, w] preprocessed images, [n] labels) of a CSV split written by `make_split`."""
     import pandas as pd
     import torch
     from PIL import Image
-    from .precompute import create_model
-    model, preprocess = create_model(model_name, checkpoint)
-    tokenizer = open_clip.get_tokenizer(model_name)
-    df = pd.read_csv(test_csv, sep='\t')
-    with torch.no_grad():
-        classes = model.encode_text(tokenizer([class_prompt(c, s) for c, s in zero_shot_classes()]), normalize=True)
-        images = torch.stack([preprocess(Image.open(p)) for p in df['filepath']])
-        predicted = (model.encode_image(images, normalize=True) @ classes.T).argmax(dim=1)
-    return (predicted == torch.tensor(df['label'].values)).float().mean().item()
+    df = pd.read_csv(csv, sep='\t')
+    return torch.stack([preprocess(Image.open(p)) for p in df['filepath']]), torch.tensor(df['label'].values)
 
 
-def run(cmd, **kw):
-    print('$ ' + ' '.join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, **kw)
+# ---- the job ------------------------------------------------------------------------------------------------------
+
+def progress_bar(stage: str, total: int, unit: str, verbose: bool):
+    from tqdm import tqdm
+    if verbose:  # the commands' own output fills the terminal: the stage is a heading
+        print(stage, flush=True)
+    return tqdm(total=total, desc=stage, unit=unit, disable=verbose, dynamic_ncols=True, leave=True,
+                bar_format='{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} {unit} '
+                           '[{elapsed}<{remaining}]{postfix}')
 
 
-def train_command(model, csv, logs, name, epochs, batch_size, lr, extra=()):
-    return [sys.executable, '-m', 'open_clip_train.main', '--train-data', csv, '--dataset-type', 'csv',
-            '--csv-separator', '\t', '--csv-img-key', 'filepath', '--csv-caption-key', 'title',
-            '--model', model, '--batch-size', batch_size, '--epochs', epochs, '--lr', lr, '--wd', '0.1',
-            '--warmup', '10', '--workers', '1', '--precision', 'fp32', '--device', 'cpu', '--seed', '0',
-            '--logs', logs, '--name', name, '--save-frequency', epochs, '--log-every-n-steps', '20', *extra]
+def run_logged(cmd, log_file: Path, verbose: bool, on_line=None):
+    """Run `cmd` with its output (stdout and stderr) written to `log_file`, and shown on the terminal too if
+    `verbose`; `on_line(line)` sees every line. A failure stops the job with the log's last lines and its path."""
+    cmd = [str(c) for c in cmd]
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, 'w') as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+            for line in process.stdout:  # text mode: tqdm's '\r' updates arrive as lines too
+                log.write(line)
+                if verbose:
+                    sys.stdout.write(line)
+                if on_line is not None:
+                    on_line(line)
+    if process.returncode:
+        tail = '\n'.join(log_file.read_text().splitlines()[-20:])
+        raise SystemExit(f"\n{shlex.join(cmd[:4])} ... failed (exit status {process.returncode}). "
+                         f"The end of {log_file}:\n{tail}")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+class TrainingRun:
+    """One `open_clip_train.main` run: its progress bar advances with the logged steps, its loss per step is kept,
+    and when it ends every epoch's checkpoint is scored (then all but the last are deleted: ~40 MB each)."""
+
+    def __init__(self, number, name, label, data_args, args, extra=()):
+        self.stage, self.name, self.label, self.args = f'{number} {label}', name, label, args
+        self.argv = train_args(args.model, data_args, args.logs, name, epochs=args.epochs,
+                               batch_size=args.batch_size, lr=args.lr, extra=extra)
+        self.steps_per_epoch = args.samples // args.batch_size  # OpenCLIP drops the last partial batch
+        self.loss = []  # (step, loss) per logged step
+        self.accuracy = []  # after each epoch
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.args.logs / self.name / 'checkpoints'
+
+    def run(self, test_set):
+        bar = progress_bar(self.stage, self.args.epochs * self.steps_per_epoch, 'steps', self.args.verbose)
+
+        def on_line(line):
+            logged = TRAIN_LOG_LINE.search(line)
+            if logged:
+                epoch, samples, loss = int(logged[1]), int(logged[2]), float(logged[3])
+                step = epoch * self.steps_per_epoch + math.ceil(samples / self.args.batch_size)
+                self.loss.append((step, loss))
+                bar.update(step - bar.n)
+                bar.set_postfix_str(f'loss {loss:.3g}', refresh=False)
+
+        run_logged([sys.executable, '-m', 'open_clip_train.main', *self.argv],
+                   self.args.logs / self.name / 'console.log', self.args.verbose, on_line)
+        model, tokenizer, images, labels = test_set
+        for epoch in range(1, self.args.epochs + 1):
+            checkpoint = self.checkpoints / f'epoch_{epoch}.pt'
+            self.accuracy.append(zero_shot_accuracy(load_weights(model, checkpoint), tokenizer, images, labels,
+                                                    shape_classes()))
+            if epoch < self.args.epochs:
+                checkpoint.unlink()
+        bar.set_postfix_str(f'loss {self.loss[-1][1]:.3g}, zero-shot top-1 {self.accuracy[-1]:.1%}')
+        bar.close()
+        return self
+
+
+def plot(path: Path, runs, reference_accuracy: float, chance: float):
+    """accuracy.png: zero-shot top-1 after every epoch (left) and the training loss per step (right) of each
+    target, the reference's accuracy as a line. Each loss is its own objective (drrho's DRO objective is not a
+    cross-entropy): compare their shapes, not their values."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    fig, (accuracy, loss) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for run in runs:
+        epochs = range(1, len(run.accuracy) + 1)
+        accuracy.plot(epochs, [100 * a for a in run.accuracy], marker='o', label=run.label)
+        steps, values = zip(*run.loss)
+        loss.plot(steps, values, label=run.label)
+    accuracy.axhline(100 * reference_accuracy, color='grey', ls='--', label='reference (its own split)')
+    accuracy.axhline(100 * chance, color='grey', ls=':', lw=1, label='chance')
+    accuracy.set(xlabel='epoch', ylabel='zero-shot top-1 (%)', ylim=(0, None),
+                 title='Zero-shot accuracy on the test split')
+    accuracy.xaxis.set_major_locator(MaxNLocator(integer=True))
+    loss.set(xlabel='step', ylabel='training loss (its own objective)', title='Training loss')
+    for ax in (accuracy, loss):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc='lower right' if ax is accuracy else 'upper right')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(root: Path, reference, targets):
+    """The table of the final zero-shot accuracies, results.json, and the figure (when matplotlib is installed)."""
+    chance = 1 / len(zero_shot_classes())
+    results = {'reference (clip, its own split)': reference.accuracy[-1],
+               'target, --loss drrho': targets[0].accuracy[-1], 'target, --loss clip': targets[1].accuracy[-1]}
+    print(f"\n{'model':<34} zero-shot top-1 on {TEST_SAMPLES} test images (chance {chance:.1%})")
+    for name, accuracy in results.items():
+        print(f"{name:<34} {accuracy:.1%}")
+    (root / 'results.json').write_text(json.dumps({
+        'zero_shot_top1': results, 'test_images': TEST_SAMPLES, 'chance': chance,
+        'top1_per_epoch': {run.name: run.accuracy for run in (reference, *targets)},
+        'loss_per_step': {run.name: run.loss for run in (reference, *targets)}}, indent=1))
+    try:
+        plot(root / 'accuracy.png', targets, reference.accuracy[-1], chance)
+        print(f"\nfigure:  {root / 'accuracy.png'}")
+    except ImportError:
+        print("\nfigure:  not drawn, matplotlib is not installed (pip install matplotlib)")
+    print(f"results: {root / 'results.json'}\nlogs:    {root / 'logs'}/")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog='drrho-openclip-demo', description=__doc__.split('\n')[0])
     p.add_argument('--workdir', default='drrho-demo', help='where data, features and runs go (default: %(default)s)')
     p.add_argument('--epochs', type=int, default=8)
     p.add_argument('--samples', type=int, default=2048, help='training pairs per split')
     p.add_argument('--batch-size', type=int, default=128)
     p.add_argument('--lr', type=float, default=5e-3)
+    p.add_argument('--verbose', action='store_true', help="show the commands' full output (OpenCLIP's logs)")
     args = p.parse_args(argv)
+    if args.samples < args.batch_size:
+        p.error(f'--samples {args.samples} is less than one batch (--batch-size {args.batch_size})')
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
     root = Path(args.workdir).resolve()
-    if (root / 'logs').exists():
-        raise SystemExit(f"{root}/logs exists: pick a new --workdir (runs are never overwritten)")
+    args.logs = root / 'logs'
+    if args.logs.exists():
+        raise SystemExit(f"{args.logs} exists: pick a new --workdir (runs are never overwritten)")
+    print(f"DRRho-CLIP demo in {root}; full logs in {args.logs}/", flush=True)
     data = root / 'data'
-    print(f"[1/5] drawing shapes into {data}", flush=True)
-    ref_csv = make_split(data, 'reference_train', args.samples, seed=1)
-    train_csv = make_split(data, 'train', args.samples, seed=2)
-    test_csv = make_split(data, 'test', 400, seed=3)
-    model = write_tiny_model(root / 'tiny_model')
-    logs = root / 'logs'
+    stage = progress_bar('[1/5] drawing shapes', 2 * args.samples + TEST_SAMPLES, 'images', args.verbose)
+    ref_csv = make_split(data, 'reference_train', args.samples, seed=1, progress=stage)
+    train_csv = make_split(data, 'train', args.samples, seed=2, progress=stage)
+    test_csv = make_split(data, 'test', TEST_SAMPLES, seed=3, progress=stage)
+    stage.close()
+    args.model = write_tiny_model(root / 'tiny_model')
+    model, preprocess, tokenizer = untrained_model(args.model)
+    test_set = (model, tokenizer, *labelled_images(test_csv, preprocess))
 
-    print("[2/5] training the reference model (--loss clip) on its own split", flush=True)
-    run(train_command(model, ref_csv, logs, 'reference', args.epochs, args.batch_size, args.lr))
-    ref_checkpoint = logs / 'reference' / 'checkpoints' / f'epoch_{args.epochs}.pt'
+    reference = TrainingRun('[2/5]', 'reference', 'reference model, --loss clip', csv_data_args(ref_csv), args)
+    reference.run(test_set)
+    reference_checkpoint = reference.checkpoints / f'epoch_{args.epochs}.pt'
 
-    print("[3/5] precomputing reference features of the target's training split", flush=True)
     features = root / 'ref_features'
-    run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', model, '--pretrained', ref_checkpoint,
-         '--train-data', train_csv, '--output', features, '--workers', '1'])
+    stage = progress_bar('[3/5] reference features', args.samples, 'samples', args.verbose)
 
-    print("[4/5] training the target with --loss drrho, and with --loss clip for comparison", flush=True)
-    run(train_command(model, train_csv, logs, 'drrho', args.epochs, args.batch_size, args.lr,
-                      ['--loss', 'drrho', '--ref-features', features]))
-    run(train_command(model, train_csv, logs, 'clip', args.epochs, args.batch_size, args.lr))
+    def on_precompute_line(line):
+        done = PRECOMPUTE_PROGRESS.search(line)
+        if done:
+            stage.update(int(done[1]) - stage.n)
 
-    print("[5/5] zero-shot top-1 on the test split (20 classes: colour x shape)", flush=True)
-    final = lambda name: str(logs / name / 'checkpoints' / f'epoch_{args.epochs}.pt')
-    results = {
-        'reference (clip, its own split)': zero_shot_accuracy(model, str(ref_checkpoint), test_csv),
-        'target, --loss drrho': zero_shot_accuracy(model, final('drrho'), test_csv),
-        'target, --loss clip': zero_shot_accuracy(model, final('clip'), test_csv),
-    }
-    print(f"\n{'model':<34} zero-shot top-1 (chance {1 / len(zero_shot_classes()):.1%})")
-    for name, accuracy in results.items():
-        print(f"{name:<34} {accuracy:.1%}")
-    (root / 'results.json').write_text(json.dumps(results, indent=1))
+    run_logged([sys.executable, '-m', 'drrho_openclip.precompute', '--model', args.model, '--pretrained',
+                reference_checkpoint, '--train-data', train_csv, '--output', features, '--workers', '1'],
+               args.logs / 'precompute' / 'console.log', args.verbose, on_precompute_line)
+    stage.close()
+
+    targets = [TrainingRun('[4/5]', 'drrho', 'target, --loss drrho', csv_data_args(train_csv), args,
+                           ['--loss', 'drrho', '--ref-features', features]),
+               TrainingRun('[5/5]', 'clip', 'target, --loss clip', csv_data_args(train_csv), args)]
+    for run in targets:
+        run.run(test_set)
+
+    report(root, reference, targets)
     return 0
 
 

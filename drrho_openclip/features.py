@@ -22,6 +22,21 @@ several processes can write disjoint shards (precompute's `--num-parts`) and a k
 written under a temporary name (`*.tmp`) and renamed when complete, a shard's keys file last: a shard whose files
 are all there, with matching row counts, is finished. The manifest is written once every shard is, and only then is
 the directory moved to `root`: an interrupted precompute leaves no store that looks finished.
+
+Writing a store from Python (what `drrho-openclip-features import` does with arrays from any model):
+
+    from drrho_openclip.features import FeatureStoreWriter, check_rows, shard_name
+
+    writer = FeatureStoreWriter('ref/', model='my SigLIP', pretrained='', dtype='float16')
+    for tar in ['shards/00000.tar', 'shards/00001.tar']:
+        keys, image, text = ...            # the shard's __key__s, [n, d] and [n, d] L2-normalised features
+        check_rows(shard_name(tar), keys, image, text)
+        writer.add_shard(shard_name(tar), keys, image, text)
+    writer.close()                         # the store appears in ref/ only now, complete
+
+A shard is named after its data file (`shard_name`: the file name up to its first dot; a CSV file is one shard whose
+keys are its image paths, row by row, as training checks them). Training reads every feature as given: `check_rows`
+raises a `FeatureStoreError` naming the shard and the sample key of a row that is not finite and unit-norm.
 """
 import json
 import os
@@ -40,6 +55,7 @@ PLAN = 'partial.json'
 LOCK = 'finalize.lock'
 FORMAT_VERSION = 1
 DTYPES = {'float16': np.float16, 'float32': np.float32, 'int8': np.int8}
+UNIT_NORM_TOLERANCE = 0.02  # float16 and int8 rounding move a norm by < 1e-2
 
 
 class FeatureStoreError(ValueError):
@@ -103,6 +119,45 @@ def encode(features: np.ndarray, dtype: str):
 def decode(stored: np.ndarray, scales: Optional[np.ndarray] = None) -> np.ndarray:
     array = np.array(stored, dtype=np.float32)  # a copy: never a view of a read-only memory map
     return array if scales is None else array * np.asarray(scales, dtype=np.float32)[..., None]
+
+
+def _first_duplicate(keys: Sequence[str]) -> Optional[str]:
+    seen = set()
+    for key in keys:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
+def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text_features: np.ndarray):
+    """Check one shard's rows before they are written, as training will read them: one unique key per row, image
+    and text features of the same [n, dim] shape, every value finite and every row unit-norm (within
+    UNIT_NORM_TOLERANCE). Raises a FeatureStoreError naming the shard and the first sample key at fault."""
+    keys = [str(k) for k in keys]
+    image_features, text_features = np.asarray(image_features), np.asarray(text_features)
+    for what, array in (('image', image_features), ('text', text_features)):
+        if array.ndim != 2 or array.shape[0] != len(keys):
+            raise FeatureStoreError(f"shard '{shard}': {what} features of shape {tuple(array.shape)} for "
+                                    f"{len(keys)} keys (expected [{len(keys)}, dim])")
+    if image_features.shape != text_features.shape:
+        raise FeatureStoreError(f"shard '{shard}': image features of dimension {image_features.shape[1]}, text "
+                                f"features of dimension {text_features.shape[1]}")
+    duplicate = _first_duplicate(keys)
+    if duplicate is not None:
+        raise FeatureStoreError(f"shard '{shard}': sample key '{duplicate}' appears more than once")
+    for what, array in (('image', image_features), ('text', text_features)):
+        values = array.astype(np.float64)
+        finite = np.isfinite(values).all(axis=1)
+        if not finite.all():
+            row = int(np.argmin(finite))
+            raise FeatureStoreError(f"shard '{shard}', sample '{keys[row]}' (row {row}): non-finite {what} features")
+        norms = np.linalg.norm(values, axis=1)
+        off = np.abs(norms - 1) > UNIT_NORM_TOLERANCE
+        if off.any():
+            row = int(np.argmax(off))
+            raise FeatureStoreError(f"shard '{shard}', sample '{keys[row]}' (row {row}): {what} features of norm "
+                                    f"{norms[row]:.4g}, not unit-norm (L2-normalise every row)")
 
 
 def _tmp_path(path: Path) -> Path:
@@ -267,6 +322,11 @@ class FeatureStoreWriter:
     """Writes a store shard by shard into `<root>.partial/`; `close()` writes the manifest and only then moves the
     finished store to `root` (replacing a previous one), so `root` always holds a complete store or none.
 
+    `model` and `pretrained` describe the reference model (free text, shown by `verify`); `dim`, when given, is
+    checked against every shard's features; `dtype` is the storage dtype (float16, float32 or int8, see the module's
+    docstring). `add_shard` writes a shard's files atomically; run the rows through `check_rows` first when they
+    do not come straight from a model's normalised output.
+
     `shards`, the names of all shards of the store in order, lets several writers (processes) share the work:
     each adds some, and any of them can `close()` once all are `finished` (without it, the store is the shards this
     writer added). Writers of one `.partial` directory must agree on the settings and the shards.
@@ -317,8 +377,9 @@ class FeatureStoreWriter:
         if (image_features is None or text_features is None) != (dtype is None):
             raise ValueError(f"shard '{name}': " + ("a keys-only store takes keys alone" if dtype is None else
                                                     "a feature store needs image and text features"))
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"shard '{name}': sample keys are not unique")
+        duplicate = _first_duplicate(keys)
+        if duplicate is not None:
+            raise ValueError(f"shard '{name}': sample keys are not unique, e.g. '{duplicate}'")
         arrays = [encode_keys(keys)]
         if dtype is not None:
             if len(keys) != len(image_features) or len(keys) != len(text_features):

@@ -5,6 +5,8 @@
         --train-data train.csv --csv-img-key filepath --csv-caption-key title --output ref/
     drrho-openclip-features --keys-only --train-data 'shards/{00000..00099}.tar' --output index/
     drrho-openclip-features verify ref/ [--train-data 'shards/{00000..00099}.tar']
+    drrho-openclip-features import feats/ --train-data 'shards/{00000..00099}.tar' --output ref/   # any model's
+    drrho-openclip-features check ref/ --batch-size 4096          # is the reference good enough for this batch?
 
 Images go through the reference model's own evaluation transform (no augmentation) and texts through its own
 tokenizer, so the features do not depend on the learner's preprocessing.
@@ -83,8 +85,9 @@ def _resolve_dataset_type(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='drrho-openclip-features', description=__doc__.split('\n')[0],
-                                epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]; judge its '
-                                       'reference model: drrho-openclip-features check DIR --batch-size BATCH',
+                                epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]. Judge '
+                                       'its reference model: drrho-openclip-features check DIR --batch-size BATCH. '
+                                       'Features of any other model: drrho-openclip-features import --help',
                                 allow_abbrev=False)
     p.add_argument('--model', help='OpenCLIP model name or local-dir:PATH')
     p.add_argument('--pretrained', default=None, help='pretrained tag or local checkpoint file')
@@ -313,6 +316,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if argv[:1] == ['verify']:
         return verify(argv[1:])
+    if argv[:1] == ['import']:
+        from .store_import import main as import_features
+        return import_features(argv[1:])
     if argv[:1] == ['check']:
         from .reference_check import main as check
         return check(argv[1:])

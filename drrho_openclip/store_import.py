@@ -1,0 +1,230 @@
+"""`drrho-openclip-features import`: a verified reference-feature store from features computed with any model.
+
+    drrho-openclip-features import feats/ --train-data 'shards/{00000..00099}.tar' --output ref/ \
+        [--dtype float16|float32|int8] [--normalize] [--model 'SigLIP ViT-B/16, webli'] [--overwrite]
+
+For a reference model that is not an OpenCLIP model (a Hugging Face SigLIP or EVA-CLIP, a timm backbone with a text
+tower, features computed earlier): compute its image and text embeddings of the training samples yourself, one input
+per data shard (per CSV file), named after the shard (its file name up to the first dot: `00042.tar` -> `00042`):
+
+    <shard>.npz            arrays image_features [n, d], text_features [n, d] and, optionally, keys [n] (strings)
+    <shard>.safetensors    tensors image_features, text_features; optionally the keys as a JSON list in the
+                           metadata: save_file(tensors, path, metadata={'keys': json.dumps(keys)})
+    <shard>.parquet        columns image_features, text_features (a list of d floats per row), optionally keys
+                           (needs pyarrow)
+    <shard>.image_features.npy, <shard>.text_features.npy and, optionally, <shard>.keys.npy
+
+Keys are the samples' WebDataset `__key__`s, or for a CSV its image paths (--csv-img-key column); without keys, the
+rows are taken to be the shard's image-text samples in file order (a CSV's rows). The store holds each shard's rows
+in the data's order, so it gives every sample the same dense index as a precomputed store.
+
+Nothing is written unless every check passes, each error naming the input file, shard and sample key: an input for
+every shard of --train-data and none for other shards; image and text features of one [n, d] shape, d the same in
+every shard; as many rows as keys (or, without keys, as the shard's samples); unique keys, each a sample of the data,
+and every sample of the data present; finite, unit-norm rows (`--normalize` L2-normalises them first). The store is
+written into `<output>.partial/` and moved to `<output>` only when complete; `verify` accepts it.
+"""
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .features import DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows, shard_name
+from .precompute import _add_data_args, _data_keys, _resolve_dataset_type
+
+ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
+NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)
+FORMATS = ('.npz', '.safetensors', '.parquet', '.npy')
+READER_PACKAGES = {'.safetensors': 'safetensors', '.parquet': 'pyarrow'}
+
+
+def input_files(paths) -> dict:
+    """{shard name: [files]} of the input files and directories (a directory: every file in it of a known format)."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(f for f in path.iterdir() if f.suffix in FORMATS)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FeatureStoreError(f"input '{path}' does not exist")
+    shards = {}
+    for file in files:
+        if file.suffix not in FORMATS or (file.suffix == '.npy' and not file.name.endswith(NPY_SUFFIXES)):
+            raise FeatureStoreError(f"input '{file}': not a feature file (<shard>.npz, .safetensors, .parquet or "
+                                    f"<shard>.{{image_features,text_features,keys}}.npy)")
+        shards.setdefault(shard_name(file), []).append(file)
+    for name, group in shards.items():
+        kinds = {f.suffix for f in group}
+        if len(kinds) > 1 or (kinds != {'.npy'} and len(group) > 1):
+            raise FeatureStoreError(f"shard '{name}' has features in several inputs: "
+                                    f"{', '.join(str(f) for f in group)}")
+    return shards
+
+
+def _missing_reader(file: Path, error: ImportError):
+    package = READER_PACKAGES[file.suffix]
+    return FeatureStoreError(f"input '{file}': reading {file.suffix} files needs {package} "
+                             f"(pip install {package}): {error}")
+
+
+def _require(file: Path, arrays: dict, names=ARRAYS[:2]):
+    missing = [name for name in names if name not in arrays]
+    if missing:
+        raise FeatureStoreError(f"input '{file}': no {' or '.join(missing)} (it holds: "
+                                f"{', '.join(sorted(arrays)) or 'nothing'})")
+
+
+def read_features(files) -> tuple:
+    """(keys or None, image features, text features) of one shard's input file(s), as read from disk."""
+    files = [Path(f) for f in files]
+    file = files[0]
+    if file.suffix == '.npy':
+        arrays = {f.name[len(shard_name(f)) + 1:-len('.npy')]: np.load(f, allow_pickle=False) for f in files}
+        file = file.with_name(shard_name(file) + '.{image_features,text_features}.npy')
+    elif file.suffix == '.npz':
+        try:
+            with np.load(file, allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in npz.files}
+        except ValueError as e:  # an object array: keys saved as Python objects
+            raise FeatureStoreError(f"input '{file}': {e} (save keys as strings: np.array(keys, dtype=str))")
+    elif file.suffix == '.safetensors':
+        try:
+            from safetensors import safe_open
+        except ImportError as e:
+            raise _missing_reader(file, e) from e
+        with safe_open(file, framework='pt') as tensors:  # torch: reads bfloat16 too
+            arrays = {name: tensors.get_tensor(name).float().numpy() for name in tensors.keys()}
+            metadata = tensors.metadata() or {}
+        if 'keys' in metadata:
+            arrays['keys'] = np.array(json.loads(metadata['keys']), dtype=str)
+    else:
+        import pandas as pd
+        try:
+            frame = pd.read_parquet(file)
+        except ImportError as e:
+            raise _missing_reader(file, e) from e
+        arrays = {name: frame[name].to_numpy() for name in frame.columns}
+        for name in ARRAYS[:2]:
+            if name in arrays:  # one list of d floats per row
+                arrays[name] = np.stack(arrays[name]) if len(arrays[name]) else np.zeros((0, 0))
+    _require(file, arrays)
+    keys = arrays.get('keys')
+    return (None if keys is None else [str(k) for k in keys]), arrays['image_features'], arrays['text_features']
+
+
+def in_data_order(name: str, file, keys, image, text, data_keys):
+    """The rows of `image` and `text` in the order of the shard's samples `data_keys`; every mismatch between the
+    input's keys (None: the rows are in data order) and the data is an error naming the file, shard and key."""
+    image, text = np.asarray(image, dtype=np.float32), np.asarray(text, dtype=np.float32)
+    where = f"input '{file}', shard '{name}'"
+    for what, array in (('image', image), ('text', text)):
+        if array.ndim != 2:
+            raise FeatureStoreError(f"{where}: {what} features of shape {array.shape}, expected [samples, dim]")
+    if keys is None:
+        if len(image) != len(data_keys) or len(text) != len(data_keys):
+            raise FeatureStoreError(f"{where}: {len(image)} image and {len(text)} text feature rows, the data has "
+                                    f"{len(data_keys)} samples (without keys, row i is the data's sample i)")
+        return image, text
+    if len(image) != len(keys) or len(text) != len(keys):
+        raise FeatureStoreError(f"{where}: {len(keys)} keys, {len(image)} image and {len(text)} text feature rows")
+    row_of = {}
+    for row, key in enumerate(keys):
+        if key in row_of:
+            raise FeatureStoreError(f"{where}: sample key '{key}' appears more than once (rows {row_of[key]}, {row})")
+        row_of[key] = row
+    wanted = set(data_keys)
+    foreign = [k for k in keys if k not in wanted]
+    if foreign:
+        raise FeatureStoreError(f"{where}: {len(foreign)} keys are not samples of the data, e.g. '{foreign[0]}'")
+    absent = [k for k in data_keys if k not in row_of]
+    if absent:
+        raise FeatureStoreError(f"{where}: {len(absent)} samples of the data have no features, e.g. '{absent[0]}'")
+    order = np.array([row_of[k] for k in data_keys], dtype=np.int64)
+    return image[order], text[order]
+
+
+def normalized(name: str, keys, features: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(features, axis=1, keepdims=True)
+    if (norms == 0).any():
+        row = int(np.argmax(norms[:, 0] == 0))
+        raise FeatureStoreError(f"shard '{name}', sample '{keys[row]}' (row {row}): a zero vector cannot be "
+                                f"normalised")
+    return features / norms
+
+
+def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imported', normalize=False,
+                 overwrite=False, progress=True) -> FeatureStore:
+    """Write the store `output` from the feature files and directories `inputs`, one per shard of the data, whose
+    samples `data_keys` lists ({shard name: keys in data order}); see the module's docstring for the files and the
+    checks. Returns the store; raises a FeatureStoreError, with nothing written, if any check fails."""
+    output = Path(output)
+    if (output / MANIFEST).exists() and not overwrite:
+        raise FeatureStoreError(f"'{output}' already holds a reference-feature store; pass --overwrite to replace it")
+    partial = output.with_name(output.name + '.partial')
+    if partial.exists():
+        raise FeatureStoreError(f"'{partial}' exists: a store is being written there (delete it if no process is)")
+    inputs = input_files(inputs)
+    missing = [name for name in data_keys if name not in inputs]
+    if missing:
+        raise FeatureStoreError(f"shard '{missing[0]}' of the data has no input ({len(missing)} such shards; "
+                                f"expected e.g. '{missing[0]}.npz')")
+    foreign = [name for name in inputs if name not in data_keys]
+    if foreign:
+        raise FeatureStoreError(f"input '{inputs[foreign[0]][0]}': '{foreign[0]}' is not a shard of the data "
+                                f"(its shards are e.g. '{next(iter(data_keys))}')")
+    writer = FeatureStoreWriter(output, model, '', dtype=dtype, shards=list(data_keys))
+    dim = None
+    try:
+        for name, keys in tqdm(data_keys.items(), unit='shard', desc='import', disable=not progress):
+            files = inputs[name]
+            file_keys, image, text = read_features(files)
+            image, text = in_data_order(name, files[0], file_keys, image, text, keys)
+            if normalize:
+                image, text = normalized(name, keys, image), normalized(name, keys, text)
+            if dim is not None and image.shape[1] != dim:
+                raise FeatureStoreError(f"input '{files[0]}', shard '{name}': features of dimension "
+                                        f"{image.shape[1]}, the other shards' are of dimension {dim}")
+            check_rows(name, keys, image, text)
+            dim = image.shape[1]
+            writer.add_shard(name, keys, image, text)
+        writer.close()
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # ours: nothing half-written is left to resume
+        raise
+    return FeatureStore.open(output)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog='drrho-openclip-features import', allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('inputs', nargs='+', help='feature files, or directories of them: one input per data shard')
+    _add_data_args(p, required=True)
+    p.add_argument('--output', required=True, help='directory of the feature store to write')
+    p.add_argument('--dtype', choices=list(DTYPES), default='float16',
+                   help='storage dtype (default: %(default)s; int8: a quarter of float32, plus a scale per vector)')
+    p.add_argument('--normalize', action='store_true', help='L2-normalise every row before the checks')
+    p.add_argument('--model', default='imported', help='what computed the features, shown by verify '
+                                                       '(default: %(default)s)')
+    p.add_argument('--overwrite', action='store_true', help='replace an existing store in --output')
+    return _resolve_dataset_type(p.parse_args(argv))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        store = import_store(args.inputs, _data_keys(args), args.output, dtype=args.dtype, model=args.model,
+                             normalize=args.normalize, overwrite=args.overwrite)
+    except FeatureStoreError as e:
+        raise SystemExit(f"import: {e}")
+    print(f"wrote reference features of {store.num_samples} samples ({len(store.shards)} shards, dim {store.dim}, "
+          f"{store.dtype}) to {store.root}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
