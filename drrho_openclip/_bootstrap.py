@@ -6,7 +6,7 @@ open_clip_train with a clear message instead."""
 
 def install():
     try:
-        from drrho_openclip.plugin import install_import_hook
+        from drrho_openclip.openclip import install_import_hook
         install_import_hook()
     except Exception as error:  # noqa: BLE001 - start-up must not break unrelated programs
         import sys

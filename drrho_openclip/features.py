@@ -286,11 +286,6 @@ class FeatureStore:
         self._require_features()
         return decode(self._features(name), self._scales(name))
 
-    def features(self, index: int):
-        """(image, text) reference features of a dense index, as float32 tensors."""
-        image, text = self.batch_features(torch.tensor([index]))
-        return image[0], text[0]
-
     def batch_features(self, index: torch.Tensor):
         """(image, text) reference features of a batch of dense indices ([n] integers): two [n, dim] float32 tensors.
         Each shard the batch touches is read once (one fancy index of its memory map), then all are decoded at once."""

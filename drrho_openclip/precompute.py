@@ -35,8 +35,10 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from .data import input_kind
 from .features import (DTYPES, LOCK, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, shard_files,
                        shard_name)
+from .openclip.reference import create_model
 
 IMAGE_EXTENSIONS = ('jpg', 'png', 'jpeg', 'webp')  # those OpenCLIP's WebDataset pipeline reads, in its order
 UNIT_NORM_TOLERANCE = 0.02  # float16 and int8 rounding move a norm by < 1e-2
@@ -77,9 +79,8 @@ def _add_data_args(p, required: bool):
 
 
 def _resolve_dataset_type(args):
-    if args.train_data and args.dataset_type == 'auto':
-        ext = args.train_data.split('::')[0].split('.')[-1].lower()
-        args.dataset_type = 'csv' if ext in ('csv', 'tsv') else 'webdataset'
+    if args.train_data:
+        args.dataset_type = input_kind(args.train_data, args.dataset_type)
     return args
 
 
@@ -229,18 +230,6 @@ def _csv_batches(args, preprocess, tokenizer):
         yield name, dataset.paths[start:start + len(images)], images, texts
         start += len(images)
     yield name, None, None, None
-
-
-def create_model(name: str, pretrained: str = None, device='cpu'):
-    """An OpenCLIP model and its evaluation transform, from a pretrained tag or a local checkpoint file (OpenCLIP's
-    own factory ignores `pretrained` for `local-dir:` models, so files are loaded here)."""
-    import open_clip
-    is_file = pretrained is not None and Path(pretrained).is_file()
-    model, _, preprocess = open_clip.create_model_and_transforms(
-        name, pretrained=None if is_file else pretrained, device=device)
-    if is_file:
-        open_clip.load_checkpoint(model, pretrained, device=device)
-    return model.eval(), preprocess
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 (equivalent to `python -m open_clip_train.main ARGS` where the start-up hook is active)."""
 import sys
 
-from drrho_openclip.plugin import install_import_hook
+from drrho_openclip.openclip import install_import_hook
 
 
 def main(argv=None):

@@ -32,8 +32,8 @@ def test_batch_lookup_equals_the_decoded_rows_of_each_shard(tmp_path, dtype):
     assert image.is_contiguous() and text.is_contiguous()
     assert torch.equal(image, torch.from_numpy(decoded[index.numpy(), 0]))
     assert torch.equal(text, torch.from_numpy(decoded[index.numpy(), 1]))
-    one_image, one_text = store.features(13)
-    assert torch.equal(one_image, image[4]) and torch.equal(one_text, text[4])
+    one_image, one_text = store.batch_features(torch.tensor([13]))
+    assert torch.equal(one_image[0], image[4]) and torch.equal(one_text[0], text[4])
 
 
 def test_a_non_finite_value_names_its_shard_and_row(tmp_path):

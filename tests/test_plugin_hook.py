@@ -1,5 +1,7 @@
 """The plugin-API patch: applies cleanly to the pinned OpenCLIP, is what the import hook runs, and fails loudly."""
 import importlib.metadata
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -8,20 +10,21 @@ from pathlib import Path
 import pytest
 
 import open_clip_train
-from drrho_openclip import plugin
+from drrho_openclip.openclip import import_hook
 
 SITE = Path(open_clip_train.__file__).resolve().parent.parent
 
 
 def test_patch_applies_cleanly_with_gnu_patch(tmp_path):
-    diffs = plugin.patches_by_module()
+    diffs = import_hook.patches_by_module()
+    assert sorted(diffs) == sorted(import_hook.patched_modules())  # what the start-up hook watches
     assert set(diffs) == {'open_clip.factory', 'open_clip_train.params', 'open_clip_train.data',
                           'open_clip_train.train', 'open_clip_train.main'}
     for module in diffs:
         relative = module.replace('.', '/') + '.py'
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(SITE / relative, tmp_path / relative)
-    result = subprocess.run(['patch', '-p1', '--dry-run', '--fuzz=0', '-i', str(plugin.patch_path())],
+    result = subprocess.run(['patch', '-p1', '--dry-run', '--fuzz=0', '-i', str(import_hook.patch_path())],
                             cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert 'offset' not in result.stdout and 'fuzz' not in result.stdout.lower()
@@ -34,8 +37,8 @@ def test_the_hook_runs_the_patched_sources():
     import open_clip_train.train
     for module in (open_clip.factory, open_clip_train.params, open_clip_train.data, open_clip_train.train):
         assert module.__drrho_patched__
-        assert module.__loader__.get_source() == plugin.patched_source(
-            module.__name__, Path(module.__file__).read_text(), plugin.patches_by_module()[module.__name__])
+        assert module.__loader__.get_source() == import_hook.patched_source(
+            module.__name__, Path(module.__file__).read_text(), import_hook.patches_by_module()[module.__name__])
     assert open_clip_train.params.load_plugins()  # the entry point of this package is found
 
 
@@ -56,17 +59,67 @@ def test_help_documents_every_plugin_flag():
     assert explicit.returncode == 0 and '--ref-features' in explicit.stdout
 
 
+def openclip_help(columns: int) -> str:
+    result = subprocess.run([sys.executable, '-m', 'open_clip_train.main', '--help'], capture_output=True, text=True,
+                            env={**os.environ, 'COLUMNS': str(columns)})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_help_lists_the_losses_in_the_plugins_own_group():
+    from drrho_openclip.losses import list_losses
+    text = openclip_help(80)
+    openclip_part, group = text.split('\ndrrho-openclip:\n')
+    openclip_options = openclip_part.split('\noptions:\n')[1]  # OpenCLIP's own flags, after the usage line
+    assert not re.search(r'^ +(--loss|--ref-features|--gamma)\b(?!-)', openclip_options, re.MULTILINE)
+    assert re.search(r'^ +--loss-dist-impl\b', openclip_options, re.MULTILINE)
+    listed = group.split('\n  Losses:\n')[1].split('\n\n')[0].splitlines()
+    starts = [line.split()[0] for line in listed if not line.startswith(' ' * 5)]  # continuation lines are indented
+    assert starts == list_losses()  # a description per loss, each starting a line of its own
+    assert all(len(line) <= 78 for line in listed)
+
+
+def test_help_names_the_losses_that_read_each_flag_with_their_defaults():
+    from drrho_openclip.losses import get_loss_spec, list_losses, option_names
+    group = openclip_help(400).split('\ndrrho-openclip:\n')[1]  # wide: no flag's help is wrapped
+    lines = {}  # flag -> its entry, the flag and its help (on the next line where the flag is long)
+    for line in group.splitlines():
+        if line.startswith('  --'):
+            flag = line.split()[0]
+            lines[flag] = line
+        elif line.startswith(' ' * 5) and lines:
+            lines[flag] += ' ' + line.strip()
+    readers = {}
+    for name in list_losses():
+        for option in option_names(name):
+            readers.setdefault(option, []).append(name)
+    for option, losses in readers.items():
+        line = lines['--' + option.replace('_', '-')]
+        named = line.split(' Losses: ')[1]
+        assert set(re.findall(r'[a-z][a-z-]*[a-z]', re.sub(r'\(default [^)]*\)', '', named))) == set(losses), line
+        if option in ('tile_size', 'state_layout'):  # chosen by the run
+            continue
+        for clause in named.rstrip('.').split('; '):
+            value = re.fullmatch(r'([a-z, -]+) \(default (.+)\)', clause)
+            assert value, line
+            for loss in value.group(1).split(', '):
+                default = get_loss_spec(loss).defaults[option]
+                shown = ('on' if default else 'off') if isinstance(default, bool) else str(default)
+                assert value.group(2) == shown, (loss, line)
+    assert 'Losses: drrho, jest, jest-topk (required)' in lines['--ref-features']
+
+
 def test_unsupported_openclip_version_stops(monkeypatch):
     monkeypatch.setattr(importlib.metadata, 'version', lambda name: '3.4.0')
-    with pytest.raises(plugin.PluginActivationError, match=r'supports open_clip_torch 3\.3\.x, found 3\.4\.0'):
-        plugin.check_openclip_version()
+    with pytest.raises(import_hook.PluginActivationError, match=r'supports open_clip_torch 3\.3\.x, found 3\.4\.0'):
+        import_hook.check_openclip_version()
 
 
 def test_a_patch_that_does_not_apply_stops_with_the_module_named():
-    diff = plugin.patches_by_module()['open_clip_train.train']
+    diff = import_hook.patches_by_module()['open_clip_train.train']
     source = (SITE / 'open_clip_train' / 'train.py').read_text().replace('images, texts = batch', 'images, txt = batch')
-    with pytest.raises(plugin.PluginActivationError, match='does not apply to open_clip_train.train'):
-        plugin.patched_source('open_clip_train.train', source, diff)
+    with pytest.raises(import_hook.PluginActivationError, match='does not apply to open_clip_train.train'):
+        import_hook.patched_source('open_clip_train.train', source, diff)
 
 
 def test_unsupported_version_fails_the_training_entry_point(tmp_path):

@@ -129,9 +129,9 @@ def test_every_dtype_loads_as_float32(tmp_path, dtype, tolerance):
     store = FeatureStore.open(tmp_path / 'ref')
     assert store.dtype == dtype and store.dim == 24
     assert (tmp_path / 'ref' / 'a.scales.npy').exists() == (dtype == 'int8')
-    for i in range(10):
-        image, text = store.features(store.index_of('a', f'k{i}'))
-        assert image.dtype == text.dtype == torch.float32
+    images, texts = store.batch_features(torch.tensor([store.index_of('a', f'k{i}') for i in range(10)]))
+    assert images.dtype == texts.dtype == torch.float32
+    for i, (image, text) in enumerate(zip(images, texts)):
         peak = np.abs(features[:, i]).max()  # int8's step is peak / 127, its error half of that
         assert np.abs(image.numpy() - features[0, i]).max() <= tolerance * peak + 1e-7
         assert np.abs(text.numpy() - features[1, i]).max() <= tolerance * peak + 1e-7

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import ENV, checkpoint, run_openclip
-from drrho_openclip import plugin, precompute
+from drrho_openclip import precompute
+from drrho_openclip.openclip import run
 from drrho_openclip.features import FeatureStore, FeatureStoreError, FeatureStoreWriter
 
 
@@ -38,7 +39,7 @@ def test_keys_only_store_indexes_the_samples_as_the_feature_store_does(shards, i
             assert keys.index_of(shard.name, key) == full.index_of(shard.name, key)
     assert keys.index_of('part-2', 'sample_2_05_x') == 2 * 16 + 5
     with pytest.raises(FeatureStoreError, match=r"index' is a keys-only store .*: it holds no reference features"):
-        keys.features(0)
+        keys.batch_features(torch.tensor([0]))
     with pytest.raises(FeatureStoreError, match='is a keys-only store'):
         keys.batch_features(torch.tensor([0, 1]))
     with pytest.raises(FeatureStoreError, match="no sample keys for shard 'part-7'"):
@@ -159,8 +160,8 @@ def test_sample_index_flag_is_accepted_for_losses_with_per_sample_state(shapes, 
     for extra in (['--loss', 'sogclr', '--gamma', '0.5'],
                   ['--loss', 'isogclr', '--gamma', '1'],  # γ 1 still learns a τ per sample
                   ['--loss', 'drrho', '--ref-model', shapes['model']]):  # online reference: no store of its own
-        args = parse(*wds(shapes, shards, *extra, '--sample-index', index))
-        assert plugin._sample_index_size(args) == 64
+        parse(*wds(shapes, shards, *extra, '--sample-index', index))
+        assert run.active().sample_index_size == 64
 
 
 @pytest.mark.parametrize('extra, message', [

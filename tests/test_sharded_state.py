@@ -10,7 +10,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,7 +227,7 @@ TWO_RANKS = ('--local-loss', '--gather-with-grad')
 
 def saved_tables(checkpoint_file):
     """The whole per-sample tables of a checkpoint: in it (one rank), or assembled from its shard set."""
-    from drrho_openclip.plugin import SHARDS_KEY
+    from drrho_openclip.openclip.checkpoints import SHARDS_KEY
     state = torch.load(checkpoint_file, map_location='cpu')['loss_state']
     if SHARDS_KEY not in state:
         return state
@@ -249,7 +248,7 @@ def two_rank_run(shapes, tmp_path_factory):
 
 
 def test_two_ranks_save_shard_sets_next_to_the_checkpoints(two_rank_run):
-    from drrho_openclip.plugin import SHARDS_KEY
+    from drrho_openclip.openclip.checkpoints import SHARDS_KEY
     root = two_rank_run / 'full' / 'checkpoints'
     files = sorted(str(p.relative_to(root)) for p in root.rglob('*') if p.is_file())
     assert files == ['epoch_1.loss_state/rank-0-of-2.shard', 'epoch_1.loss_state/rank-1-of-2.shard', 'epoch_1.pt',
@@ -324,22 +323,19 @@ def test_missing_shard_stops_the_resume_and_names_the_file(shapes, two_rank_run,
 
 
 def test_shard_sets_of_deleted_checkpoints_are_removed(tmp_path):
-    from drrho_openclip.plugin import checkpoints_saved
+    from drrho_openclip.openclip.checkpoints import remove_unreferenced_shard_sets
     root = tmp_path / 'checkpoints'
     for name in ('epoch_1.loss_state', 'epoch_2.loss_state', 'epoch_3.loss_state', 'epoch_3.loss_state.tmp-ab12',
                  'other.loss_state'):
         (root / name).mkdir(parents=True)
     for name in ('epoch_2.pt', 'epoch_3.pt'):  # epoch_1.pt deleted (--delete-previous-checkpoint)
         (root / name).write_bytes(b'')
-    loss = SimpleNamespace(sharding=SimpleNamespace(sharded=True))
-    args = SimpleNamespace(rank=0, plugin_loss=loss, logs=str(tmp_path), checkpoint_path=str(root), epochs=5,
-                           save_frequency=1, save_most_recent=False)
-    checkpoints_saved(3, args)
+    remove_unreferenced_shard_sets(root, 3, [str(root / 'epoch_3.pt')])  # what --save-frequency 1 writes
     assert sorted(p.name for p in root.iterdir()) == ['epoch_2.loss_state', 'epoch_2.pt', 'epoch_3.loss_state',
                                                       'epoch_3.pt', 'other.loss_state']
-    args.save_most_recent, args.save_frequency = True, 0  # epoch_latest.pt refers to the newest set only
     (root / 'epoch_4.loss_state').mkdir()
     (root / 'epoch_2.pt').unlink()
-    checkpoints_saved(4, args)
+    # --save-most-recent --save-frequency 0: epoch_latest.pt alone, which refers to the newest set only
+    remove_unreferenced_shard_sets(root, 4, [str(root / 'epoch_latest.pt')])
     assert sorted(p.name for p in root.iterdir()) == ['epoch_3.loss_state', 'epoch_3.pt', 'epoch_4.loss_state',
                                                       'other.loss_state']

@@ -345,7 +345,7 @@ def test_dro_loss_with_tiled_aggregation(name, options, tile_size):
 
 
 def test_tiling_is_chosen_from_the_pairs_a_rank_holds():
-    from drrho_openclip.plugin import auto_tile_size
+    from drrho_openclip.openclip.model import auto_tile_size
     assert auto_tile_size(16384, 16384) == DEFAULT_TILE_SIZE   # one process: 2^28 pairs, gigabytes untiled
     assert auto_tile_size(2048, 16384) == 0                    # 8 ranks share that batch: 128 MiB per matrix
     assert auto_tile_size(4096, 4096) == 0

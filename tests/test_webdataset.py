@@ -21,7 +21,8 @@ def test_precompute_writes_one_store_shard_per_tar(shards):
     assert [s.name for s in store.shards] == [f'part-{s}' for s in range(4)]
     assert store.num_samples == 64 and store.dim == 32 and store.dtype == 'float16'
     assert store.index_of('part-2', 'sample_2_05_x') == 2 * 16 + 5
-    image, text = store.features(37)
+    images, texts = store.batch_features(torch.tensor([37]))
+    image, text = images[0], texts[0]
     assert image.shape == (32,) and abs(image.norm().item() - 1) < 1e-2 and abs(text.norm().item() - 1) < 1e-2
 
 

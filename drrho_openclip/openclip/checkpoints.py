@@ -1,0 +1,95 @@
+"""Sharded per-sample state in OpenCLIP's checkpoints.
+
+With --state-layout sharded every rank writes its block of the per-sample tables next to the checkpoint, as the
+shard set  checkpoints/epoch_N.loss_state/rank-R-of-W.shard  (losses/state_shards.py), before rank 0 writes the
+epoch's checkpoint files (epoch_N.pt, and epoch_latest.pt with --save-most-recent, which refers to the same set): a
+checkpoint file never exists without its complete set. The checkpoint's 'loss_state' holds the loss's other entries
+and the set's manifest under SHARDS_KEY. Nothing there ends in .pt, so `--resume latest` (the newest **/*.pt) never
+picks it. Which files are written, and where, main.py says (the hooks' `checkpoint_files`)."""
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..losses import load_state_shards, per_sample_tables, save_state_shards
+from .run import Run
+
+SHARDS_KEY = 'per_sample_state_shards'
+SHARD_SET_SUFFIX = '.loss_state'
+SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.tmp-[0-9a-f]+)?')
+EPOCH_CHECKPOINT = re.compile(r'epoch_(\d+)\.pt')
+
+
+def _sharded(loss) -> bool:
+    sharding = getattr(loss, 'sharding', None)
+    return sharding is not None and sharding.sharded
+
+
+def checkpoint_loss_state(loss, loss_state, completed_epoch, checkpoint_files, args):
+    """Every rank, before rank 0 writes `checkpoint_files`: what goes into checkpoint['loss_state']."""
+    if not _sharded(loss):
+        return loss_state  # the whole state_dict, in the checkpoint (rank 0's replicated tables)
+    if not checkpoint_files:
+        return {}
+    directory = Path(checkpoint_files[0]).parent / f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}'
+    manifest = save_state_shards(loss, str(directory))
+    tables = per_sample_tables(loss)
+    return {**{k: v for k, v in loss_state.items() if k not in tables}, SHARDS_KEY: manifest}
+
+
+def resolve_loss_state(loss, loss_state, args):
+    """Every rank, on resume: the checkpoint's loss state with a shard set read in (this rank's rows of it)."""
+    manifest = loss_state.get(SHARDS_KEY) if isinstance(loss_state, dict) else None
+    if manifest is None:
+        return loss_state
+    if '://' in str(args.resume):
+        raise RuntimeError(f"the per-sample state of this checkpoint is a shard set next to it: resume from a local "
+                           f"(or mounted) copy of the checkpoint directory, with its "
+                           f"'{manifest.get('directory')}' directory")
+    directory = os.path.join(os.path.dirname(os.path.abspath(args.resume)), manifest['directory'])
+    tables = load_state_shards(loss, directory, manifest)
+    sharding = getattr(loss, 'sharding', None)
+    logging.info(f"drrho-openclip: per-sample state read from '{directory}' ({manifest['world_size']} shards), "
+                 f"rows {sharding.start}-{sharding.stop} of {sharding.num_samples} on rank {args.rank}")
+    return {**{k: v for k, v in loss_state.items() if k != SHARDS_KEY}, **tables}
+
+
+def checkpoints_saved(run: Run, completed_epoch, checkpoint_files, args):
+    """Rank 0, once every rank has saved: the shard sets no checkpoint refers to any more go."""
+    if args.rank == 0 and _sharded(run.loss) and checkpoint_files:
+        remove_unreferenced_shard_sets(Path(checkpoint_files[0]).parent, completed_epoch, checkpoint_files)
+
+
+def _shard_set_of(checkpoint_file: Path):
+    """The shard set a checkpoint refers to ('' for none), or None if it cannot be read."""
+    try:
+        state = torch.load(checkpoint_file, map_location='cpu', mmap=True, weights_only=False).get('loss_state', {})
+    except Exception:  # noqa: BLE001 - unreadable: the caller keeps every set
+        return None
+    return state.get(SHARDS_KEY, {}).get('directory', '') if isinstance(state, dict) else ''
+
+
+def remove_unreferenced_shard_sets(root: Path, completed_epoch: int, checkpoint_files):
+    """Remove from `root` the staging directories of interrupted saves and the shard sets no checkpoint refers to:
+    epoch_N.loss_state is kept while epoch_N.pt exists (--delete-previous-checkpoint removes it) or while another
+    checkpoint (epoch_latest.pt) names it; the files written this epoch (`checkpoint_files`) name this epoch's set.
+    An unreadable checkpoint keeps every set."""
+    written = {Path(f).name for f in checkpoint_files}
+    referenced = {f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}'}
+    for path in root.glob('*.pt'):
+        if EPOCH_CHECKPOINT.fullmatch(path.name) or path.name in written:
+            continue
+        shard_set = _shard_set_of(path)
+        if shard_set is None:
+            return
+        referenced.add(shard_set)
+    for path in root.iterdir():
+        match = SHARD_SET.fullmatch(path.name)
+        if match is None or not path.is_dir():
+            continue
+        staging, epoch = match.group(2), int(match.group(1))
+        if staging or (path.name not in referenced and not (root / f'epoch_{epoch}.pt').is_file()):
+            shutil.rmtree(path, ignore_errors=True)

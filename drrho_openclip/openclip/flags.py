@@ -1,0 +1,232 @@
+"""The plugin's flags: one argument group in OpenCLIP's parser (every loss option from the registry, with the losses
+that read it and their defaults), and their checks against the chosen loss, which start the run."""
+import argparse
+import logging
+import shutil
+import textwrap
+
+from ..data import input_kind
+from ..features import FeatureStore, FeatureStoreError
+from ..losses import (OPTION_HELP, STATE_LAYOUTS, create_loss, get_loss_spec, list_losses, loss_options,
+                      option_names, per_sample_tables)
+from .run import Run
+
+# Options whose default the run chooses (tile_size: from the batch sizes; state_layout 'auto': from the dataset size
+# and the world size), so the help names no per-loss value
+CHOSEN_BY_THE_RUN = ('tile_size', 'state_layout')
+# OpenCLIP's flags that only its own ClipLoss (and losses built on it) reads: {option: flag}
+OPENCLIP_LOSS_FLAGS = {'local_loss': '--local-loss', 'gather_with_grad': '--gather-with-grad'}
+
+
+def flag(option: str) -> str:
+    return '--' + option.replace('_', '-')
+
+
+def user_options() -> dict:
+    """{option: [losses that read it]} over every registered loss."""
+    options = {}
+    for name in list_losses():
+        for option in option_names(name):
+            options.setdefault(option, []).append(name)
+    return options
+
+
+def run_options(spec) -> tuple:
+    """The options the training run supplies to the loss (sizes, ranks; OpenCLIP's own loss flags)."""
+    declared = getattr(spec, 'run_options', None)
+    if declared is not None:
+        return tuple(declared)
+    # a registry that does not declare them hands every loss rank, world size and OpenCLIP's loss flags
+    return ('rank', 'world_size', *OPENCLIP_LOSS_FLAGS, *(('num_samples',) if spec.stateful else ()),
+            *(('embed_dim',) if 'embed_dim' in spec.defaults else ()))
+
+
+def needs_reference(spec, options) -> bool:
+    if spec.reference == 'optional':
+        return getattr(options, 'distill_weight', 0) > 0 or getattr(options, 'reference_shift', False)
+    return spec.reference == 'required'
+
+
+# ---- --help ---------------------------------------------------------------------------------------------------
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return 'on' if value else 'off'
+    return str(value)
+
+
+def _readers(option: str, losses: list) -> str:
+    """'Losses: a, b (default 0.8); c (default 0.2).', losses grouped by their default."""
+    if option in CHOSEN_BY_THE_RUN:
+        return f"Losses: {', '.join(losses)}."
+    by_default = {}
+    for name in losses:
+        by_default.setdefault(_shown(get_loss_spec(name).defaults[option]), []).append(name)
+    return 'Losses: ' + '; '.join(f"{', '.join(names)} (default {value})" for value, names in by_default.items()) + '.'
+
+
+def _reference_readers() -> str:
+    required = [n for n in list_losses() if get_loss_spec(n).reference == 'required']
+    optional = [n for n in list_losses() if get_loss_spec(n).reference == 'optional']
+    with_distillation = [n for n in optional if 'distill_weight' in option_names(n)]
+    with_shift = [n for n in optional if 'reference_shift' in option_names(n)]
+    return (f"Losses: {', '.join(required)} (required); {', '.join(with_distillation)} with --distill-weight > 0; "
+            f"{', '.join(with_shift)} with --reference-shift.")
+
+
+def summary(text: str) -> str:
+    """A loss's help up to its first ';' outside parentheses: what the loss is, without its variants."""
+    depth = 0
+    for at, char in enumerate(text):
+        depth += {'(': 1, ')': -1}.get(char, 0)
+        if char == ';' and depth == 0:
+            return text[:at]
+    return text
+
+
+def _description(width: int) -> str:
+    """The group's text: what the plugin adds, then each loss on a line of its own (the first clause of its help)."""
+    intro = textwrap.fill("Reference-model steering (DRRho-CLIP) and a family of DRO contrastive losses. --loss picks "
+                          "one; each flag below names the losses that read it, with their defaults, and a flag the "
+                          "chosen loss does not read stops the run at start-up.", width)
+    column = max(map(len, list_losses())) + 2
+    lines = [textwrap.fill(summary(get_loss_spec(name).help), width, initial_indent=f"  {name:<{column}}",
+                           subsequent_indent=' ' * (column + 2)) for name in list_losses()]
+    return intro + '\n\nLosses:\n' + '\n'.join(lines)
+
+
+def add_args(parser):
+    """`--loss`, the reference-feature and sample-index flags, and one flag per loss option (registry-driven)."""
+    # keeps the line per loss of the group's description; OpenCLIP's parser has no description or epilog of its own
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    width = shutil.get_terminal_size().columns - 4  # argparse's width, less the group's indent
+    group = parser.add_argument_group('drrho-openclip', _description(width))
+    group.add_argument('--loss', default='clip', choices=list_losses(), metavar='NAME',
+                       help='the contrastive loss, one of the losses above (default: %(default)s)')
+    readers = _reference_readers()
+    group.add_argument('--ref-features', metavar='DIR', default=None,
+                       help=f'precomputed reference features (a store written by drrho-openclip-features). {readers}')
+    group.add_argument('--ref-model', metavar='NAME', default=None,
+                       help=f'compute the reference features online with this OpenCLIP model (no gradient; it reads '
+                            f'the learner\'s batches). {readers}')
+    group.add_argument('--ref-pretrained', metavar='TAG_OR_FILE', default=None,
+                       help='pretrained tag or checkpoint file of --ref-model')
+    stateful = [n for n in list_losses() if get_loss_spec(n).stateful]
+    group.add_argument('--sample-index', metavar='DIR', default=None,
+                       help=f"WebDataset input, for a loss that keeps per-sample state without --ref-features: the "
+                            f"store whose keys index the samples (`drrho-openclip-features --keys-only`; a feature "
+                            f"store does too). Losses: {', '.join(stateful)}.")
+    for option, losses in sorted(user_options().items()):
+        text = f"{OPTION_HELP[option]}. {_readers(option, losses)}"
+        kind = type(get_loss_spec(losses[0]).defaults[option])
+        if kind is bool:  # default None: tells 'not given' from the loss's own default
+            group.add_argument(flag(option), action='store_true', default=None, help=text)
+        elif option == 'state_layout':
+            group.add_argument(flag(option), choices=STATE_LAYOUTS, default=None, help=text)
+        else:
+            group.add_argument(flag(option), type=kind, default=None, metavar=option.upper(), help=text)
+
+
+# ---- the checks, at start-up ----------------------------------------------------------------------------------
+
+
+def _open_store(parser, option: str, root) -> FeatureStore:
+    try:
+        return FeatureStore.open(root)
+    except FeatureStoreError as e:
+        parser.error(f"{flag(option)}: {e}")
+
+
+def check_args(args, parser) -> Run:
+    """Check the plugin's flags against the chosen loss (a flag the loss does not read is an error), record the
+    values in force on `args` (so params.txt shows them), and open the stores: the run the hooks share."""
+    spec = get_loss_spec(args.loss)
+    own = option_names(args.loss)
+    given = {o: getattr(args, o) for o in user_options() if getattr(args, o) is not None}
+    foreign = [flag(o) for o in given if o not in own]
+    if foreign:
+        parser.error(f"{', '.join(foreign)}: no such option for --loss {args.loss} (its options: "
+                     f"{', '.join(map(flag, own)) or 'none'})")
+    options = loss_options(args.loss, **given)
+    if 'rho' in given and 'learn_temperature' in own and not options.learn_temperature:
+        parser.error(f"--rho only acts with --learn-temperature for --loss {args.loss} (a fixed τ has no ρ term)")
+    reads_reference = needs_reference(spec, options)
+    uses_reference = args.ref_features is not None or args.ref_model is not None
+    if reads_reference and not uses_reference:
+        parser.error(f"--loss {args.loss} needs reference features: pass --ref-features DIR (precomputed with "
+                     f"drrho-openclip-features) or --ref-model NAME --ref-pretrained TAG")
+    if uses_reference and not reads_reference:
+        parser.error(f"--loss {args.loss} with these options does not read reference features; drop "
+                     f"--ref-features/--ref-model" + (" or set --reference-shift" if 'reference_shift' in own else ""))
+    if args.ref_features is not None and args.ref_model is not None:
+        parser.error("give either --ref-features or --ref-model, not both")
+    if args.ref_pretrained is not None and args.ref_model is None:
+        parser.error("--ref-pretrained needs --ref-model")
+    supplied = run_options(spec)
+    ignored = [f for option, f in OPENCLIP_LOSS_FLAGS.items() if getattr(args, option) and option not in supplied]
+    if ignored:
+        logging.warning(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "
+                        f"always the local samples and its candidates the global batch, gathered with gradient")
+    stand_in = dict(num_samples=1, rank=0, world_size=1, embed_dim=1, local_loss=args.local_loss,
+                    gather_with_grad=args.gather_with_grad)
+    try:  # the loss's own checks, on a stand-in of the run's sizes
+        keeps_state = bool(per_sample_tables(
+            create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})))
+    except ValueError as e:
+        parser.error(f"--loss {args.loss}: {e}")
+    for option in own:
+        setattr(args, option, getattr(options, option))
+    in_force = {option: getattr(options, option) for option in own}
+    if 'tile_size' in own and 'tile_size' not in given:
+        in_force['tile_size'] = args.tile_size = None  # chosen from the global batch once the world size is known
+
+    reference_store = None
+    if args.ref_features is not None:
+        reference_store = _open_store(parser, 'ref_features', args.ref_features)
+        if reference_store.keys_only:
+            parser.error(f"--ref-features: '{reference_store.root}' is a keys-only store: it holds no reference "
+                         f"features (it can be a --sample-index)")
+    index_store = _check_sample_index(args, parser, keeps_state, reads_reference) or reference_store
+    return Run(loss_name=args.loss, plain_clip=args.loss == 'clip' and not options.distill_weight, options=in_force,
+               reference_store=reference_store, index_store=index_store,
+               sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0)
+
+
+def _check_sample_index(args, parser, keeps_state: bool, reads_reference: bool):
+    """The --sample-index store, opened, if one is given (and needed). The dense sample index of a loss with
+    per-sample state: CSV rows and the synthetic dataset's are their own; WebDataset samples are indexed by the keys
+    of a store, --ref-features' or --sample-index's."""
+    kind = input_kind(args.train_data, args.dataset_type)
+    webdataset = args.train_data is not None and kind == 'webdataset'
+    if args.sample_index is None:
+        if keeps_state and webdataset and args.ref_features is None:
+            parser.error(f"--loss {args.loss} keeps per-sample state, and WebDataset samples have no index of their "
+                         f"own: write one with `drrho-openclip-features --keys-only --train-data '{args.train_data}' "
+                         f"--output DIR` and pass --sample-index DIR"
+                         + (" (or precompute the reference features: --ref-features indexes them too)"
+                            if reads_reference else ""))
+        return None
+    if not keeps_state:
+        parser.error(f"--sample-index: --loss {args.loss} with these options keeps no per-sample state, so it needs no "
+                     f"sample index" + (" (--gamma 1)" if args.gamma == 1 else ""))
+    if args.ref_features is not None:
+        parser.error("--sample-index: the --ref-features store already indexes the samples; drop --sample-index")
+    if not webdataset:
+        parser.error(f"--sample-index is for WebDataset input: the rows of --dataset-type {kind} input are its sample "
+                     f"index already")
+    return _open_store(parser, 'sample_index', args.sample_index)
+
+
+def _sample_index_size(args, index_store) -> int:
+    """Size of the dense sample index: the store's (--ref-features or --sample-index), a CSV's rows, or the
+    synthetic dataset's size."""
+    if index_store is not None:
+        return index_store.num_samples
+    kind = input_kind(args.train_data, args.dataset_type)
+    if kind == 'synthetic':
+        return args.train_num_samples
+    if kind == 'csv':
+        import pandas as pd
+        return len(pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key]))
+    return 0  # WebDataset without a store: the loss keeps no per-sample state (the checks make sure)

@@ -1,0 +1,125 @@
+"""The import hook that applies `patches/open_clip-3.3.0-plugin-api.patch` to OpenCLIP.
+
+The patch adds a small plugin API to open_clip_train (see `drrho_openclip.openclip` for the hooks it calls).
+Installed OpenCLIP files are never edited: when Python imports one of the modules the patch names, the hook applies
+that file's hunks to the source in memory, the way pytest rewrites asserts. The patch is the single source of
+truth (of the hunks and of which modules are patched), and it applies exactly or the import fails with a clear
+message. Installing the hook is cheap (it reads the patch's file names only): it runs in every interpreter.
+"""
+import importlib.abc
+import importlib.machinery
+import linecache
+import sys
+from pathlib import Path
+from typing import List
+
+SUPPORTED_OPENCLIP = (3, 3)
+PATCH_FILE = 'open_clip-3.3.0-plugin-api.patch'
+
+
+class PluginActivationError(ImportError):
+    pass
+
+
+def patch_path() -> Path:
+    """The patch shipped in the wheel (drrho_openclip/patches/) or, in a source checkout, the repo's patches/."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / 'patches' / PATCH_FILE, package.parent / 'patches' / PATCH_FILE):
+        if candidate.is_file():
+            return candidate
+    raise PluginActivationError(f"drrho-openclip: {PATCH_FILE} is missing from the installation; reinstall it")
+
+
+def _module_name(path: str) -> str:
+    """'b/open_clip_train/train.py' -> 'open_clip_train.train'."""
+    path = path.removeprefix('b/')
+    return path.removesuffix('.py').replace('/', '.')
+
+
+def patched_modules() -> List[str]:
+    """The modules the patch changes, read from its '+++ b/<file>' headers (no diff parsing)."""
+    with open(patch_path(), encoding='utf-8') as patch:
+        return [_module_name(line[4:].split('\t')[0].strip()) for line in patch if line.startswith('+++ ')]
+
+
+def patches_by_module() -> dict:
+    """{'open_clip_train.train': <whatthepatch diff>, ...} for every file the patch touches."""
+    import whatthepatch
+    return {_module_name(diff.header.new_path): diff for diff in whatthepatch.parse_patch(patch_path().read_text())}
+
+
+def check_openclip_version():
+    import importlib.metadata  # here, not at start-up: it costs more than the whole hook
+    try:
+        version = importlib.metadata.version('open_clip_torch')
+    except importlib.metadata.PackageNotFoundError:
+        raise PluginActivationError("drrho-openclip: open_clip_torch is not installed") from None
+    if tuple(int(v) for v in version.split('.')[:2]) != SUPPORTED_OPENCLIP:
+        raise PluginActivationError(
+            f"drrho-openclip supports open_clip_torch {'.'.join(map(str, SUPPORTED_OPENCLIP))}.x, found {version}: "
+            f"install open_clip_torch=={'.'.join(map(str, SUPPORTED_OPENCLIP))}.* or uninstall drrho-openclip")
+    return version
+
+
+def patched_source(module: str, source: str, diff) -> str:
+    import importlib.metadata
+    import whatthepatch
+    try:
+        lines = whatthepatch.apply_diff(diff, source)
+    except whatthepatch.exceptions.HunkApplyException as e:
+        raise PluginActivationError(
+            f"drrho-openclip: {PATCH_FILE} does not apply to {module} "
+            f"(open_clip_torch {importlib.metadata.version('open_clip_torch')}): {e}") from e
+    return '\n'.join(lines) + '\n'
+
+
+class _PatchedSourceLoader(importlib.machinery.SourceFileLoader):
+    def __init__(self, fullname, path, diff):
+        super().__init__(fullname, path)
+        self.diff = diff
+
+    def exec_module(self, module):
+        module.__drrho_patched__ = True
+        super().exec_module(module)
+
+    def get_source(self, fullname=None):
+        return patched_source(self.name, self.get_data(self.path).decode('utf-8'), self.diff)
+
+    def get_code(self, fullname):
+        # Compiled fresh every time: a cached .pyc would be the unpatched file. The code's file name marks it as
+        # patched, so tracebacks never quote lines of the file on disk; linecache finds the patched text through
+        # get_source (the module's __loader__) whenever its cache is cleared.
+        source = self.get_source()
+        filename = f"{self.path} (patched by drrho-openclip)"
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        return compile(source, filename, 'exec', dont_inherit=True)
+
+
+class _PatchingFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, modules):
+        self.modules = frozenset(modules)
+        self.diffs = None  # parsed at the first import of a patched module
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.modules:
+            return None
+        if self.diffs is None:
+            check_openclip_version()
+            self.diffs = patches_by_module()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            raise PluginActivationError(f"drrho-openclip: cannot find the source of {fullname} to patch")
+        spec.loader = _PatchedSourceLoader(fullname, spec.origin, self.diffs[fullname])
+        return spec
+
+
+def install_import_hook():
+    """Idempotent. Fails if a module to patch was already imported unpatched (the hook came too late)."""
+    if any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
+        return
+    modules = patched_modules()
+    too_late = [m for m in modules if m in sys.modules and not hasattr(sys.modules[m], '__drrho_patched__')]
+    sys.meta_path.insert(0, _PatchingFinder(modules))
+    if too_late:
+        raise PluginActivationError(f"drrho-openclip: {', '.join(too_late)} was imported before the plugin hook; "
+                                    f"import drrho_openclip.openclip first (or run `python -m drrho_openclip.train`)")

@@ -1,0 +1,57 @@
+"""The training loaders' per-sample extras (`BatchExtras`): each sample's dense index, and each batch's reference
+features once it is collated. WebDataset input keeps OpenCLIP's own pipeline (the plugin adds the extras through
+the patch's wds_sample_extras hook); map-style input (CSV, synthetic) gets a loader of its own here."""
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
+
+from ..data import CollateWithReferenceFeatures, SampleIndexFromKey, WithSampleExtras
+from ..features import FeatureStoreError, shard_name
+from .run import Run
+
+
+def wds_sample_extras(run: Run, args):
+    """(sample -> its index, the collation adding the batch's reference features), or None when the loss reads
+    neither: OpenCLIP's own batches."""
+    if run.plain_clip or run.index_store is None:
+        return None
+    collate = default_collate if run.reference_store is None else CollateWithReferenceFeatures(run.reference_store)
+    return SampleIndexFromKey(run.index_store), collate
+
+
+def wrap_data(run: Run, data: dict, args) -> dict:
+    """OpenCLIP's CSV/synthetic training loader replaced by one that attaches the extras."""
+    from open_clip_train.data import CsvDataset, DataInfo, SyntheticDataset
+    if 'train' not in data or run.plain_clip:
+        return data
+    info = data['train']
+    dataset = getattr(info.dataloader, 'dataset', None)  # WebDataset's WebLoader has none
+    if not isinstance(dataset, (CsvDataset, SyntheticDataset)):
+        return data
+    store = run.reference_store
+    if store is not None:
+        if isinstance(dataset, SyntheticDataset):
+            raise ValueError("--ref-features cannot describe --dataset-type synthetic")
+        check_csv_keys(store, args.train_data, dataset.images)
+        if store.num_samples != len(dataset):  # the row number is the dense index: no other shard may come first
+            raise ValueError(f"'{store.root}' holds {store.num_samples} reference features, the dataset has "
+                             f"{len(dataset)} samples")
+    # always a seeded DistributedSampler (one replica when not distributed), so that each epoch's order is a
+    # function of (seed, epoch): exact resume, equal across world sizes
+    sampler = DistributedSampler(dataset, num_replicas=args.world_size, rank=args.rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(WithSampleExtras(dataset, sampler, args.seed), batch_size=args.batch_size,
+                        num_workers=args.workers, pin_memory=info.dataloader.pin_memory, sampler=sampler,
+                        drop_last=True, collate_fn=None if store is None else CollateWithReferenceFeatures(store))
+    loader.num_samples, loader.num_batches = info.dataloader.num_samples, len(loader)
+    data['train'] = DataInfo(loader, sampler)
+    return data
+
+
+def check_csv_keys(store, csv_path, images):
+    shard = store.shard(shard_name(csv_path))
+    keys = store.keys(shard.name)
+    if len(keys) != len(images):
+        raise FeatureStoreError(f"'{store.root}' has {len(keys)} reference features for '{csv_path}', "
+                                f"which has {len(images)} rows")
+    for row, (key, image) in enumerate(zip(keys, images)):
+        if str(key) != str(image):
+            raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{key}' there and "
+                                    f"'{image}' in '{csv_path}'")

@@ -1,0 +1,34 @@
+"""The run the hooks share: started by check_args from the flags, completed by configure_model (the loss).
+
+Each training process parses its flags once, so there is one active run per process; a hook called before
+check_args (a patched OpenCLIP driven without its parser) is an error, not a silent default."""
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from ..features import FeatureStore
+
+
+@dataclass
+class Run:
+    loss_name: str
+    plain_clip: bool                           # OpenCLIP builds and runs its own loss: the plugin stays out of it
+    options: Dict = field(default_factory=dict)  # the loss's user options in force (flags or the loss's defaults)
+    reference_store: Optional[FeatureStore] = None  # --ref-features
+    index_store: Optional[FeatureStore] = None      # whose keys index WebDataset samples: --sample-index or the above
+    sample_index_size: int = 0                 # rows of the per-sample state: store, CSV rows or synthetic samples
+    loss: Optional[object] = None              # built by configure_model
+
+
+_active: Optional[Run] = None
+
+
+def start(run: Run):
+    global _active
+    _active = run
+
+
+def active() -> Run:
+    if _active is None:
+        raise RuntimeError("drrho-openclip: no run: open_clip_train's parse_args (the plugin's check_args) has not "
+                           "run in this process")
+    return _active

@@ -1,0 +1,52 @@
+"""The loss a run builds: on the model's device with everything it holds, and the start-up warning for OpenCLIP's
+loss flags a loss does not read."""
+import logging
+
+import open_clip
+import pytest
+
+from drrho_openclip import openclip as plugin
+from drrho_openclip.losses import get_loss_spec
+
+
+def parse(*argv):
+    from open_clip_train.params import parse_args
+    args = parse_args([str(a) for a in argv])
+    args.rank, args.world_size = 0, 1  # what init_distributed_device sets for one process
+    return args
+
+
+@pytest.mark.parametrize('extra', [
+    ('--loss', 'isogclr', '--gamma', '0.5'),  # u, τ_i and their Adam moments: per-sample tables
+    ('--loss', 'tempnet', '--tempnet-width', '8', '--tempnet-prototypes', '4'),  # networks attached to the model
+    ('--loss', 'drrho', '--gamma', '0.5', '--ref-model', '{model}'),  # the online reference model
+])
+def test_the_loss_and_what_it_holds_go_to_the_models_device(shapes, extra):
+    # OpenCLIP creates the model on its device before the hook runs; 'meta' stands in for an accelerator
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16,
+                 *(e.format(model=shapes['model']) for e in extra))
+    model = open_clip.create_model(shapes['model'], device='meta')
+    plugin.configure_model(model, args)
+    loss = plugin.create_loss(args)
+    tensors = dict(loss.state_dict(keep_vars=True))
+    assert tensors  # per-sample tables (u, τ_i), TempNet's parameters
+    tensors.update(model.state_dict(keep_vars=True))  # with the modules attached to it
+    if loss.reference_encoder is not None:
+        tensors.update({f'reference.{k}': v for k, v in loss.reference_encoder.model.state_dict().items()})
+    assert {name: t.device.type for name, t in tensors.items() if t.device.type != 'meta'} == {}
+    if args.loss == 'tempnet':
+        assert any(name.startswith('loss_') for name, _ in model.named_children())
+
+
+@pytest.mark.skipif(not hasattr(get_loss_spec('drrho'), 'run_options'),
+                    reason="the loss registry does not declare which losses read OpenCLIP's loss flags")
+def test_openclip_loss_flags_a_loss_does_not_read_are_warned_about(shapes, caplog):
+    with caplog.at_level(logging.WARNING):
+        parse('--model', shapes['model'], '--loss', 'sogclr', '--local-loss', '--gather-with-grad')
+    assert ("--loss sogclr does not read --local-loss and --gather-with-grad: its anchors are always the local "
+            "samples and its candidates the global batch, gathered with gradient") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        parse('--model', shapes['model'], '--loss', 'clip', '--local-loss', '--gather-with-grad')
+        parse('--model', shapes['model'], '--loss', 'jest', '--ref-model', 'RN50', '--local-loss')
+    assert 'does not read' not in caplog.text
