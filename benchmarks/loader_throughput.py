@@ -175,7 +175,7 @@ def main(argv=None):
     args.rounds = args.rounds or (5 if args.quick else 15)
     args.micro = args.micro or (200 if args.quick else 400)
 
-    from drrho_openclip.plugin import install_import_hook
+    from drrho_openclip.openclip import install_import_hook
     install_import_hook()
     import logging
     import warnings

@@ -181,7 +181,7 @@ STEP_LINE = re.compile(r'Data \(t\): ([\d.]+) Batch \(t\): [\d.]+, ([\d.e+]+)/s'
 
 def train_worker(argv_json):
     """In a fresh process: one OpenCLIP training run in-process; the peak memory after the imports."""
-    from drrho_openclip.plugin import install_import_hook
+    from drrho_openclip.openclip import install_import_hook
     install_import_hook()
     import open_clip_train.main  # noqa: F401 - imported before the measured region
     from drrho_openclip.train import main as train

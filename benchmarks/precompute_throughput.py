@@ -236,7 +236,7 @@ def main(argv=None):
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from drrho_openclip.plugin import install_import_hook
+    from drrho_openclip.openclip import install_import_hook
     install_import_hook()
     import open_clip
     logging_quiet()

@@ -244,7 +244,7 @@ _CACHE = {}
 
 
 def _worker_init(log_file):
-    from drrho_openclip.plugin import install_import_hook
+    from drrho_openclip.openclip import install_import_hook
     install_import_hook()  # before anything imports open_clip
     import torch
 
@@ -579,7 +579,7 @@ def scaling_rows(report, gflops_per_sample: float):
 
 def main(argv=None):
     args = parse_args(argv)
-    from drrho_openclip.plugin import install_import_hook
+    from drrho_openclip.openclip import install_import_hook
     install_import_hook()
     from drrho_openclip.demo import TINY_MODEL, write_tiny_model
     from drrho_openclip.losses import get_loss_spec, list_losses

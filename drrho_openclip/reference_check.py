@@ -19,7 +19,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List
 
-import numpy as np
 import torch
 
 from .features import FeatureStore, FeatureStoreError

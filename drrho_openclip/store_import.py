@@ -11,7 +11,7 @@ per data shard (per CSV file), named after the shard (its file name up to the fi
     <shard>.safetensors    tensors image_features, text_features; optionally the keys as a JSON list in the
                            metadata: save_file(tensors, path, metadata={'keys': json.dumps(keys)})
     <shard>.parquet        columns image_features, text_features (a list of d floats per row), optionally keys
-                           (needs pyarrow)
+                           (needs pyarrow: pip install 'drrho-openclip[parquet]')
     <shard>.image_features.npy, <shard>.text_features.npy and, optionally, <shard>.keys.npy
 
 Keys are the samples' WebDataset `__key__`s, or for a CSV its image paths (--csv-img-key column); without keys, the

@@ -6,7 +6,6 @@ import open_clip
 import pytest
 
 from drrho_openclip import openclip as plugin
-from drrho_openclip.losses import get_loss_spec
 
 
 def parse(*argv):
@@ -38,8 +37,6 @@ def test_the_loss_and_what_it_holds_go_to_the_models_device(shapes, extra):
         assert any(name.startswith('loss_') for name, _ in model.named_children())
 
 
-@pytest.mark.skipif(not hasattr(get_loss_spec('drrho'), 'run_options'),
-                    reason="the loss registry does not declare which losses read OpenCLIP's loss flags")
 def test_openclip_loss_flags_a_loss_does_not_read_are_warned_about(shapes, caplog):
     with caplog.at_level(logging.WARNING):
         parse('--model', shapes['model'], '--loss', 'sogclr', '--local-loss', '--gather-with-grad')

@@ -62,8 +62,6 @@ def data_keys(wds):
 @pytest.mark.parametrize('fmt, with_keys', [('npz', True), ('npz', False), ('npy', True), ('safetensors', True),
                                             ('safetensors', False), ('parquet', True)])
 def test_import_writes_the_rows_in_data_order_with_the_precomputed_index(wds, tmp_path, fmt, with_keys):
-    if fmt == 'parquet':
-        pytest.importorskip('pyarrow')
     inputs = write_inputs(tmp_path / 'feats', wds, fmt, shuffle=with_keys, with_keys=with_keys)
     store = import_store([inputs], data_keys(wds), tmp_path / 'ref', dtype='float32', progress=False)
     precomputed = wds['precomputed']

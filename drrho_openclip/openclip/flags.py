@@ -31,16 +31,6 @@ def user_options() -> dict:
     return options
 
 
-def run_options(spec) -> tuple:
-    """The options the training run supplies to the loss (sizes, ranks; OpenCLIP's own loss flags)."""
-    declared = getattr(spec, 'run_options', None)
-    if declared is not None:
-        return tuple(declared)
-    # a registry that does not declare them hands every loss rank, world size and OpenCLIP's loss flags
-    return ('rank', 'world_size', *OPENCLIP_LOSS_FLAGS, *(('num_samples',) if spec.stateful else ()),
-            *(('embed_dim',) if 'embed_dim' in spec.defaults else ()))
-
-
 def needs_reference(spec, options) -> bool:
     if spec.reference == 'optional':
         return getattr(options, 'distill_weight', 0) > 0 or getattr(options, 'reference_shift', False)
@@ -163,7 +153,7 @@ def check_args(args, parser) -> Run:
         parser.error("give either --ref-features or --ref-model, not both")
     if args.ref_pretrained is not None and args.ref_model is None:
         parser.error("--ref-pretrained needs --ref-model")
-    supplied = run_options(spec)
+    supplied = spec.run_options
     ignored = [f for option, f in OPENCLIP_LOSS_FLAGS.items() if getattr(args, option) and option not in supplied]
     if ignored:
         logging.warning(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "

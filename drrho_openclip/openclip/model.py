@@ -7,7 +7,6 @@ import torch
 
 from ..losses import DEFAULT_TILE_SIZE, LogitScaleTemperature, attach_to_model, create_loss as build
 from ..losses import get_loss_spec
-from .flags import run_options
 from .reference import OnlineReference
 from .run import Run
 
@@ -40,7 +39,7 @@ def configure_model(run: Run, model, args):
     options = dict(run.options)
     if options.get('tile_size', 0) is None:
         options['tile_size'] = auto_tile_size(args.batch_size, args.batch_size * args.world_size)
-    supplied = run_options(get_loss_spec(run.loss_name))
+    supplied = get_loss_spec(run.loss_name).run_options
     from_run = dict(num_samples=run.sample_index_size, rank=args.rank, world_size=args.world_size,
                     local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
     if 'embed_dim' in supplied:
