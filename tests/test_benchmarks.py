@@ -128,7 +128,7 @@ def test_replication_passes_reference_features_when_the_flags_read_them(referenc
 def test_overheads_smoke_writes_its_json(tmp_path):
     out = tmp_path / 'overheads'
     result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--output', str(out)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.with_suffix('.json').read_text())
     from drrho_openclip.losses import list_losses

@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / 'examples'
 def test_import_timm_features_writes_a_verified_store_that_drrho_trains_with(tmp_path, shapes):
     work = tmp_path / 'example'
     result = subprocess.run([sys.executable, EXAMPLES / 'import_timm_features.py', '--workdir', work,
-                             '--samples', '32'], capture_output=True, text=True, env=ENV, timeout=600)
+                             '--samples', '32'], capture_output=True, text=True, env=ENV)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-3] == 'OK'  # verify's verdict, before the training command
     store = FeatureStore.open(work / 'ref')

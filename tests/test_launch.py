@@ -23,8 +23,7 @@ def run_script(name, *args, dry_run=True, path_prefix=None, **env):
         env['DRY_RUN'] = '1'
     if path_prefix:
         env['PATH'] = f"{path_prefix}:{env['PATH']}"
-    return subprocess.run(['bash', str(LAUNCH / name), *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(['bash', str(LAUNCH / name), *map(str, args)], capture_output=True, text=True, env=env)
 
 
 def printed_command(name, *args, **env):

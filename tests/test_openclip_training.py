@@ -52,8 +52,7 @@ def test_killed_run_resumes_exactly(shapes, tmp_path, name):
     # the same run, killed once epoch 1 is saved, then continued with --resume latest
     process = start_openclip(args('split'))
     first, second = (tmp_path / 'split' / 'checkpoints' / f'epoch_{e}.pt' for e in (1, 2))
-    deadline = time.time() + 300
-    while not first.exists() and process.poll() is None and time.time() < deadline:
+    while not first.exists() and process.poll() is None:  # however long the machine takes
         time.sleep(0.05)
     process.kill()
     process.wait()

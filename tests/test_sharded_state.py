@@ -273,8 +273,7 @@ def test_killed_two_rank_run_resumes_exactly(shapes, two_rank_run):
     process = subprocess.Popen(openclip_command(args(), nproc=2), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
     first, second = (two_rank_run / 'split' / 'checkpoints' / f'epoch_{e}.pt' for e in (1, 2))
-    deadline = time.time() + 300
-    while not first.exists() and process.poll() is None and time.time() < deadline:
+    while not first.exists() and process.poll() is None:  # however long the machine takes
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers
     process.wait()
