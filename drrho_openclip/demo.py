@@ -17,6 +17,7 @@ The terminal shows one progress line per stage; the full output of every command
 as soon as its run ends; then only the last one is kept.
 """
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -270,6 +271,36 @@ def plot(path: Path, runs, reference_accuracy: float, chance: float):
     plt.close(fig)
 
 
+# the drrho run's diagnostics drawn in diagnostics.png, as OpenCLIP's TensorBoard logger records them
+DIAGNOSTICS = {'train/tau_image_mean': 'τ', 'train/effective_negatives': 'effective negatives per anchor',
+               'train/reference_margin': 'mean reference margin', 'train/log_u_image_mean': 'mean log u (images)'}
+
+
+def tensorboard_scalars(run_dir: Path) -> dict:
+    """{tag: (steps, values)} of a run's TensorBoard event file (`--report-to tensorboard`)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / 'tensorboard'))
+    events.Reload()
+    return {tag: tuple(zip(*[(e.step, e.value) for e in events.Scalars(tag)])) for tag in events.Tags()['scalars']}
+
+
+def plot_diagnostics(path: Path, run_dir: Path):
+    """diagnostics.png: what the drrho run logged besides its loss, read back from its TensorBoard event file."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    logged = tensorboard_scalars(run_dir)
+    fig, axes = plt.subplots(1, len(DIAGNOSTICS), figsize=(3.2 * len(DIAGNOSTICS), 2.8))
+    for ax, (tag, title) in zip(axes, DIAGNOSTICS.items()):
+        ax.plot(*logged[tag])
+        ax.set(title=title, xlabel='step')
+        ax.grid(alpha=0.3)
+    fig.suptitle(f'--loss drrho, from {run_dir.name}/tensorboard (train/ tags)', fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(root: Path, reference, targets):
     """The table of the final zero-shot accuracies, results.json, and the figure (when matplotlib is installed)."""
     chance = 1 / len(zero_shot_classes())
@@ -285,6 +316,9 @@ def report(root: Path, reference, targets):
     try:
         plot(root / 'accuracy.png', targets, reference.accuracy[-1], chance)
         print(f"\nfigure:  {root / 'accuracy.png'}")
+        if (targets[0].args.logs / targets[0].name / 'tensorboard').is_dir():
+            plot_diagnostics(root / 'diagnostics.png', targets[0].args.logs / targets[0].name)
+            print(f"         {root / 'diagnostics.png'} (the drrho run's diagnostics, from TensorBoard)")
     except ImportError:
         print("\nfigure:  not drawn, matplotlib is not installed (pip install matplotlib)")
     print(f"results: {root / 'results.json'}\nlogs:    {root / 'logs'}/")
@@ -338,8 +372,10 @@ def main(argv=None):
                args.logs / 'precompute' / 'console.log', args.verbose, on_precompute_line)
     stage.close()
 
+    # the drrho run also logs to TensorBoard when it is installed (the test extra has it): diagnostics.png
+    tensorboard = ['--report-to', 'tensorboard'] if importlib.util.find_spec('tensorboard') else []
     targets = [TrainingRun('[4/5]', 'drrho', 'target, --loss drrho', csv_data_args(train_csv), args,
-                           ['--loss', 'drrho', '--ref-features', features]),
+                           ['--loss', 'drrho', '--ref-features', features, *tensorboard]),
                TrainingRun('[5/5]', 'clip', 'target, --loss clip', csv_data_args(train_csv), args)]
     for run in targets:
         run.run(test_set)

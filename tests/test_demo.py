@@ -28,6 +28,8 @@ def test_the_demo_prints_a_line_per_stage_a_table_and_the_figure(tmp_path):
         [True] * 3
     figure = next(line.split(None, 1)[1] for line in lines if line.startswith('figure:'))
     assert figure == str(work / 'accuracy.png') and (work / 'accuracy.png').read_bytes().startswith(PNG)
+    assert f"{work / 'diagnostics.png'} (the drrho run's diagnostics, from TensorBoard)" in stdout
+    assert (work / 'diagnostics.png').read_bytes().startswith(PNG)
     results = json.loads((work / 'results.json').read_text())
     assert {name: len(curve) for name, curve in results['top1_per_epoch'].items()} == \
         {'reference': 2, 'drrho': 2, 'clip': 2}
