@@ -106,7 +106,7 @@ def test_adam_temperature_gradient_is_the_papers(name):
 
 def consistent_objective(temperature, slope):
     """A per-anchor objective slope·log τ through the temperature's leaf: its gradient is `slope`, every step."""
-    tau, _ = temperature(reference=None)
+    tau, _ = temperature(image_features=torch.zeros(4, 2))
     return slope * tau.log().expand(4)
 
 
@@ -120,7 +120,7 @@ def test_tau_moves_by_lr_per_step_under_a_consistent_gradient_and_stops_at_its_b
         temperature.step(consistent_objective(temperature, slope=2.0))  # reversed: τ shrinks, down to its bound
     assert temperature.log_tau.item() == pytest.approx(math.log(0.01), rel=1e-12)
     fixed = LearnedTemperature(0.07, tau_min=0.01, tau_max=1.0, lr=0.0)  # lr_tau 0: a τ that is never stepped
-    tau, _ = fixed()
+    tau, _ = fixed(image_features=torch.zeros(4, 2))
     fixed.step(tau.expand(4))
     assert fixed.log_tau.item() == math.log(0.07) and not tau.requires_grad
 

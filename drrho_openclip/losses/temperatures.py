@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import all_reduce
+from .collectives import all_reduce, check_device
 from .precision import at_least_float32
 from .state import SampleSharding
 
@@ -67,12 +67,14 @@ def reference_margins(ref_image: torch.Tensor, ref_text: torch.Tensor, max_ancho
     ref_image, ref_text = ref_image.double(), ref_text.double()
     batch = ref_image.shape[0]
     anchors = batch if max_anchors is None else min(batch, max_anchors)
-    negatives = torch.ones(anchors, batch, dtype=torch.bool, device=ref_image.device)
-    negatives.fill_diagonal_(False)
+    # anchor i's negatives are the columns j ≠ i: slot t holds column t, or t + 1 from the positive on (a gather, not
+    # a boolean mask, so that no device has to synchronise on the number of selected entries)
+    slots = torch.arange(batch - 1, device=ref_image.device)[None, :]
+    columns = slots + (slots >= torch.arange(anchors, device=ref_image.device)[:, None])
     rows = []
     for anchor, candidates in ((ref_image, ref_text), (ref_text, ref_image)):
         sim = anchor[:anchors] @ candidates.T
-        rows.append((sim.diagonal()[:, None] - sim)[negatives].reshape(anchors, batch - 1))
+        rows.append(sim.diagonal()[:, None] - sim.gather(1, columns))
     return torch.cat(rows)
 
 
@@ -144,7 +146,8 @@ class LearnedTemperature(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._chosen = not torch.isnan(self.log_tau).item()
 
-    def forward(self, reference=None, **_):
+    def forward(self, image_features=None, reference=None, **_):
+        check_device(self.log_tau, image_features.device, 'the learned temperature')
         if not self._chosen:
             if reference is None:
                 raise ValueError("temperature 'auto' is chosen from the reference margins of the first batch, and "
