@@ -11,7 +11,8 @@ reports, before any GPU-day is spent:
   similarities carry no information, so the RHO-shifted loss is ℓ̂_ij ≈ m_ij and the KL-DRO weights of an anchor are
   softmax_j(m_ij/τ) over its B − 1 negatives; their effective number exp(entropy) says over how many negatives each
   anchor's gradient is spread: near 1, one negative per anchor carries the whole update;
-- a verdict in plain words, and the τ this rule suggests for the batch (see `suggest_temperature`).
+- a verdict in plain words, the τ this rule suggests for the batch (see `suggest_temperature`) and the τ that
+  drrho's default `--temperature auto` starts from on such batches (the same rule, solved exactly).
 """
 import argparse
 import json
@@ -22,11 +23,15 @@ from typing import Dict, List
 import torch
 
 from .features import FeatureStore, FeatureStoreError
+from .losses import get_loss_spec, reference_margins, temperature_for_effective_negatives
+from .losses import effective_negatives  # noqa: F401 - part of this module's interface (per-anchor n_eff at a τ)
 
 TEMPERATURES = (0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.2)
 # The smallest τ whose weights spread the median anchor's update over at least this many negatives at the start of
-# training is suggested; see `suggest_temperature`.
-MIN_EFFECTIVE_NEGATIVES = 8
+# training is suggested; see `suggest_temperature`. drrho's 'auto' τ starts where the median anchor has exactly this
+# many, within its τ bounds.
+DRRHO_DEFAULTS = get_loss_spec('drrho').defaults
+MIN_EFFECTIVE_NEGATIVES = DRRHO_DEFAULTS['target_negatives']
 
 
 @dataclass
@@ -39,6 +44,7 @@ class ReferenceReport:
     effective_negatives: Dict[float, float] = field(default_factory=dict)  # τ → median over anchors
     temperature: float = None         # the τ asked about
     suggested_temperature: float = None
+    auto_temperature: float = None    # where drrho's --temperature auto starts on such batches
     verdict: List[str] = field(default_factory=list)
 
 
@@ -66,18 +72,8 @@ def batch_margins(image: torch.Tensor, text: torch.Tensor, batch_size: int, batc
     rows = []
     for _ in range(batches):
         pick = torch.randperm(image.shape[0], generator=g)[:batch_size]
-        sim = image[pick] @ text[pick].T
-        for s in (sim, sim.T):
-            margin = s.diagonal()[:, None] - s
-            off_diagonal = ~torch.eye(len(pick), dtype=torch.bool)
-            rows.append(margin[off_diagonal].reshape(len(pick), len(pick) - 1))
+        rows.append(reference_margins(image[pick], text[pick]))
     return torch.cat(rows)
-
-
-def effective_negatives(margins: torch.Tensor, tau: float) -> torch.Tensor:
-    """Per anchor, exp(entropy) of the weights softmax_j(m_ij / τ): between 1 and B − 1."""
-    log_p = torch.log_softmax(margins / tau, dim=1)
-    return torch.exp(-(log_p.exp() * log_p).sum(dim=1))
 
 
 def suggest_temperature(median_effective: Dict[float, float]) -> float:
@@ -94,6 +90,14 @@ def suggest_temperature(median_effective: Dict[float, float]) -> float:
         if median_effective[tau] >= MIN_EFFECTIVE_NEGATIVES:
             return tau
     return max(median_effective)
+
+
+def auto_temperature(margins: torch.Tensor, max_anchors: int = 4096) -> float:
+    """The τ drrho's --temperature auto starts from, for the anchors of `margins` (evenly thinned to `max_anchors`
+    rows: a bisection reads them some 40 times)."""
+    rows = margins[::max(1, len(margins) // max_anchors)]
+    return temperature_for_effective_negatives(rows, MIN_EFFECTIVE_NEGATIVES, DRRHO_DEFAULTS['tau_min'],
+                                               DRRHO_DEFAULTS['tau_max']).item()
 
 
 def check(store_dir, batch_size: int, temperature: float = None, samples: int = 5000, batches: int = 8,
@@ -115,7 +119,8 @@ def check(store_dir, batch_size: int, temperature: float = None, samples: int = 
         margin=dict(mean=margins.mean().item(), std=margins.std().item(), q05=quantiles[0], median=quantiles[1],
                     q95=quantiles[2], negative_fraction=(margins < 0).double().mean().item()),
         effective_negatives=medians, temperature=temperature,
-        suggested_temperature=suggest_temperature(medians))
+        suggested_temperature=suggest_temperature(medians),
+        auto_temperature=auto_temperature(margins))
     report.verdict = verdict(report)
     return report
 
@@ -140,6 +145,8 @@ def verdict(r: ReferenceReport) -> List[str]:
     lines.append(f"Suggested: --temperature {s:g} for a global batch of {r.batch_size} (about "
                  f"{r.effective_negatives[s]:.0f} effective negatives per anchor); a larger batch suggests a smaller "
                  f"τ, so run this again with --batch-size set to your global batch.")
+    lines.append(f"drrho's default, --temperature auto, starts such a batch at τ = {r.auto_temperature:.3g} (the median "
+                 f"anchor on {MIN_EFFECTIVE_NEGATIVES:g} effective negatives) and learns τ from there.")
     return lines
 
 

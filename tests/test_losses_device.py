@@ -51,10 +51,13 @@ def test_to_moves_every_table_and_a_call_runs_there(case):
 
 
 def test_a_loss_left_on_the_host_says_so():
-    loss = build('drrho')  # not moved: its tables are on the CPU, the features elsewhere
+    loss = build('drrho', temperature=0.01)  # not moved: its tables are on the CPU, the features elsewhere
     image, text, ref_image, ref_text = batch(META)
     with pytest.raises(RuntimeError, match=r"per-sample table is on cpu.*loss\.to\('meta'\)"):
         loss(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
+    learned = build('drrho')  # τ 'auto': the learned temperature's buffers are the first to be read
+    with pytest.raises(RuntimeError, match=r"learned temperature is on cpu.*loss\.to\('meta'\)"):
+        learned(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
 
 
 def test_reference_features_off_the_features_device_are_refused():

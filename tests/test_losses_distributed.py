@@ -17,12 +17,19 @@ NUM_SAMPLES = 20
 # (loss, options, epochs of the steps)
 SCENARIOS = {
     'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05), (0, 1)),
-    'drrho-learnable': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, learn_temperature=True, rho=1.0), (0, 1)),
+    'drrho-learnable': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, learn_temperature=True, rho=1.0,
+                                      temperature=0.07, temperature_optimizer='model'), (0, 1)),
+    # τ chosen from the gathered batch's reference margins, learned by the loss's Adam with the all-reduced gradient
+    'drrho-auto': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
+    'drrho-auto-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
+    'fastclip': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     'sogclr': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1), (0, 1)),
     'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, tile_size=5), (0, 1)),
     'isogclr-tiled': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01, tile_size=4), (0, 1, 1)),
     'drrho+kd': ('drrho', dict(gamma=1.0, temperature=0.05, distill_weight=0.3), (0,)),
-    'fastclip+kd': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, distill_weight=0.3), (0, 1)),
+    'fastclip+kd': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, distill_weight=0.3, rho=8.5,
+                                     temperature_optimizer='model'), (0, 1)),
+    'fastclip+kd-adam': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, distill_weight=0.3, lr_tau=0.05), (0, 1)),
     'isogclr': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01), (0, 1, 1)),
     'tempnet': ('tempnet', dict(embed_dim=5, tempnet_width=8, tempnet_prototypes=4, gamma=0.5), (0, 1)),
     'adnce': ('adnce', dict(adnce_sigma=0.3), (0,)),

@@ -120,7 +120,8 @@ def test_learnable_temperature_gradient(name):
     """Appendix C.3: min over θ and τ of mean_i τ log(ε + g_i) (both directions) + 2τρ. Its τ-derivative under the
     SogCLR estimator is Σ_dir mean_i [log(ε+u_i) − Σ_j w_ij ℓ̂_ij/τ/(n−1)] + 2ρ; the loss gets τ = 1/logit_scale."""
     num_samples, n, eps, gamma, rho = 9, 6, 1e-3, 0.5, 0.7
-    options = dict(num_samples=num_samples, epsilon=eps, gamma=gamma, gamma_decay_epochs=1, rho=rho)
+    options = dict(num_samples=num_samples, epsilon=eps, gamma=gamma, gamma_decay_epochs=1, rho=rho,
+                   temperature=0.07, temperature_optimizer='model')
     loss = create_loss(name, learn_temperature=True if name == 'drrho' else None, **options)
     u_image = torch.full((num_samples,), float('nan'), **F64)
     u_text = u_image.clone()
@@ -156,9 +157,12 @@ def test_learnable_temperature_gradient(name):
 def test_fastclip_is_a_registration_over_the_core():
     from drrho_openclip.losses import get_loss_spec
     spec = get_loss_spec('fastclip')
-    assert spec.defaults['learn_temperature'] and spec.defaults['rho'] == 8.5 and spec.defaults['temperature'] == 0.07
+    # ρ from the batch by default (the paper's 8.5 is rho=8.5); τ learned by the loss's own Adam
+    assert spec.defaults['learn_temperature'] and spec.defaults['rho'] == 'auto' and spec.defaults['temperature'] == 0.07
     loss = create_loss('fastclip', num_samples=4)
-    assert loss.rho == 8.5 and not loss.use_reference and math.isclose(loss.log_eps, math.log(1e-14))
+    assert loss.rho is None and loss.target_negatives == 8 and not loss.use_reference
+    assert math.isclose(loss.log_eps, math.log(1e-14))
+    assert create_loss('fastclip', num_samples=4, rho=8.5).rho == 8.5
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,6 +213,8 @@ def test_dro_distillation(name):
     learn = name == 'fastclip'
     logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
     options = dict(gamma=1.0, epsilon=eps, distill_weight=lam, reference_logit_scale=teacher)
+    # the paper's settings: fastclip's τ the model's logit_scale with ρ 8.5, drrho's τ fixed at 0.01
+    options.update(dict(temperature_optimizer='model', rho=8.5) if learn else dict(temperature=0.01))
     out = create_loss(name, **options)(image, text, logit_scale, ref_image_features=ref_image,
                                        ref_text_features=ref_text, output_dict=True)
 

@@ -4,7 +4,8 @@ A loss is four choices over the same computation, per anchor i and direction (im
 
 - pairwise loss:   ℓ_ij = s_ij − s_ii, optionally RHO-shifted by a reference model: ℓ̂_ij = ℓ_ij − (s^ref_ij − s^ref_ii)
 - aggregation:     KL-DRO over the candidates j ≠ i:  F_i = τ_i · log(ε + g_i),  g_i = mean_{j≠i} exp(ℓ̂_ij / τ_i)
-- temperature:     fixed, the model's learnable logit_scale, per sample, or predicted by a network
+- temperature:     fixed, learned by the loss's own Adam (from a given τ or one chosen from the first batch), the
+                   model's learnable logit_scale, per sample, or predicted by a network
 - per-sample state: SogCLR's moving average u_i ≈ g_i (inner learning rate γ), or none (u_i = the mini-batch g_i)
 
 The gradient is the SogCLR estimator: ∇F_i ≈ τ_i ∇g_i / (ε + u_i), i.e. pair weights exp(ℓ̂_ij/τ_i)/(ε + u_i).
@@ -27,6 +28,7 @@ from .dense import dense_aggregate
 from .distill import distillation_loss
 from .precision import HALF_DTYPES, at_least_float32, autocast_disabled, elementwise_dtype
 from .state import MovingAverageState, SampleSharding, per_sample_tables
+from .temperatures import rho_for_batch
 from .tiled import negative_weight_entropy
 
 
@@ -56,6 +58,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
 
     Returns {'contrastive_loss': L} with L = mean_i [τ F_image_i + τ F_text_i] + ρ(τ_image + τ_text), where F uses
     u (so its value is the SogCLR estimate of the objective, exactly the mini-batch objective when γ = 1).
+    `rho=None` takes ρ from the global batch B: log((B − 1)/k) with k = `target_negatives` (`rho_for_batch`).
 
     `positive_in_denominator` replaces ε by 1/(B−1): the positive pair's own term exp(ℓ_ii/τ) = 1 joins the mean over
     the B − 1 candidates, so τ log(1/(B−1) + g_i) = τ [log(1 + Σ_{j≠i} exp(ℓ̂_ij/τ)) − log(B−1)], CLIP's
@@ -72,7 +75,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             self,
             temperature: nn.Module,
             epsilon: Optional[float],
-            rho: float = 0.0,
+            rho: Optional[float] = 0.0,
+            target_negatives: Optional[float] = None,
             state: Optional[MovingAverageState] = None,
             use_reference: bool = False,
             negative_log_weight=None,
@@ -88,11 +92,14 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             raise ValueError("give epsilon > 0, or positive_in_denominator (which takes ε's place), not both")
         if epsilon is not None and epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
+        if rho is None and target_negatives is None:
+            raise ValueError("ρ from the batch (rho=None) needs target_negatives")
         if not 0 <= distill_weight <= 1:
             raise ValueError(f"the distillation weight λ must be in [0, 1], got {distill_weight}")
         self.temperature = temperature
         self.log_eps = None if epsilon is None else math.log(epsilon)
         self.rho = rho
+        self.target_negatives = target_negatives
         self.state = state
         self.use_reference = use_reference
         self.negative_log_weight = negative_log_weight
@@ -150,13 +157,13 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self._window = (index, log_u) if accum_step is not None else None
         return log_u
 
-    def _temperatures(self, logit_scale, index, image_features, text_features, accum_step):
+    def _temperatures(self, logit_scale, index, image_features, text_features, reference, accum_step):
         if accum_step:
             # a later call on the same window: the first call's τ, as constants. τ's gradient depends only on the
             # window's feature values, so the first call already carried all of it (and any per-sample τ step)
             return self._window_tau
         tau_image, tau_text = self.temperature(logit_scale=logit_scale, index=index, image_features=image_features,
-                                               text_features=text_features)
+                                               text_features=text_features, reference=reference)
         like = dict(device=image_features.device, dtype=elementwise_dtype(image_features.dtype))
         tau_image, tau_text = tau_image.to(**like), tau_text.to(**like)
         self._window_tau = (tau_image.detach(), tau_text.detach()) if accum_step is not None else None
@@ -183,15 +190,16 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                              gather_batch(ref_text, self.world_size, with_grad=False, device=device))
             offset = self.rank * image.shape[0]
             log_eps = -math.log(all_text.shape[0] - 1) if self.positive_in_denominator else self.log_eps
-            tau_image, tau_text = self._temperatures(logit_scale, index, image, text, accum_step)
+            tau_image, tau_text = self._temperatures(logit_scale, index, image, text, reference, accum_step)
             shift = reference if self.use_reference else None
             inv_tau_image, inv_tau_text = 1.0 / tau_image, 1.0 / tau_text
             log_g_image, log_g_text = self.aggregate(image, text, all_image, all_text, offset, inv_tau_image,
                                                      inv_tau_text, shift, self.negative_log_weight)
             log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
+            rho = rho_for_batch(all_text.shape[0], self.target_negatives) if self.rho is None else self.rho
             per_anchor = (tau_image * sogclr_estimate(log_g_image, log_u_image, log_eps)
                           + tau_text * sogclr_estimate(log_g_text, log_u_text, log_eps)
-                          + self.rho * (tau_image + tau_text))
+                          + rho * (tau_image + tau_text))
             loss = per_anchor.mean()
             if not accum_step and hasattr(self.temperature, 'step'):
                 self.temperature.step(per_anchor)
@@ -199,7 +207,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             # what metrics() needs, detached; the features are kept (not the b×B matrices): O((b + B)·d) memory
             detached = [x.detach() for x in (image, text, all_image, all_text, inv_tau_image, inv_tau_text)]
             self._last = dict(log_g_image=log_g_image.detach(), log_g_text=log_g_text.detach(),
-                              log_u_image=log_u_image, log_u_text=log_u_text, log_eps=log_eps,
+                              log_u_image=log_u_image, log_u_text=log_u_text, log_eps=log_eps, rho=rho,
                               tau_image=tau_image.detach(), tau_text=tau_text.detach(),
                               pairs=(*detached, offset, shift))
             if self.distill_weight > 0:
@@ -225,7 +233,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         log_g_image, log_g_text = last['log_g_image'], last['log_g_text']
         f_image = last['tau_image'] * torch.logaddexp(log_g_image, log_g_image.new_full((), last['log_eps']))
         f_text = last['tau_text'] * torch.logaddexp(log_g_text, log_g_text.new_full((), last['log_eps']))
-        return (f_image + f_text).mean() + self.rho * (last['tau_image'] + last['tau_text']).mean()
+        return (f_image + f_text).mean() + last['rho'] * (last['tau_image'] + last['tau_text']).mean()
 
     def effective_negatives(self) -> torch.Tensor:
         """Of the last call: exp of the entropy of every anchor's DRO weights p_ij over its negatives j ≠ i (B − 1
@@ -264,6 +272,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             'log_u_text_mean': last['log_u_text'].mean().item(),
             'effective_negatives': self.effective_negatives().item(),
         }
+        if self.rho is None:  # from the batch
+            out['rho'] = last['rho']
         if self.use_reference:
             out['reference_margin'] = self.reference_margin().item()
         if 'distill' in last:

@@ -6,20 +6,31 @@ from .clip import ClipLoss
 from .core import DROContrastiveLoss
 from .jest import JESTLoss
 from .mobileclip import MobileClipLoss
-from .registry import DISTRIBUTED, register_loss
+from .registry import AUTO, DISTRIBUTED, register_loss
 from .state import MovingAverageState, SampleSharding, resolve_state_layout
-from .temperatures import FixedTemperature, LogitScaleTemperature, PerSampleTemperature, TempNetTemperature
+from .temperatures import (FixedTemperature, LearnedTemperature, LogitScaleTemperature, PerSampleTemperature,
+                           TempNetTemperature)
 from .tiled import make_tiled_aggregate
 
 # The run options (registry.py) of the losses with per-sample state, and of those with CLIP's loss
 STATEFUL = ('num_samples', *DISTRIBUTED)
 CLIP = (*DISTRIBUTED, 'local_loss', 'gather_with_grad')
 
-# The options of a DRO loss with a global τ (the per-loss defaults below override them with the paper's values)
+# ρ of every learned τ, and the target k of an 'auto' τ: an anchor's DRO weights spread over k effective negatives
+# is where a learned τ settles with ρ = log((B − 1)/k) (temperatures.py), at any global batch B; with a paper's fixed
+# ρ it would collapse to a bound wherever log(B − 1) < ρ (FastCLIP's 8.5 needs B > 4900). 8 is the reference check's
+# rule (reference_check.py): on the demo's reference it picks τ ≈ 0.1 at batch 64 and 0.03 at 512.
+ESTIMATOR_TEMPERATURE_OPTIONS = dict(rho=AUTO, target_negatives=8.0)
+
+# The options of a DRO loss with a global τ (the per-loss defaults below override them)
 DRO_OPTIONS = dict(
-    temperature=0.07,          # τ, fixed or initial
-    learn_temperature=False,   # τ learned through the model's logit_scale
-    rho=0.0,                   # ρ of the KL-constrained DRO (with a learned τ)
+    temperature=0.07,          # τ: fixed, initial (learned), or 'auto' (chosen from the first batch, then learned)
+    learn_temperature=False,   # learn τ from `temperature`
+    temperature_optimizer='loss',  # what learns it: the loss's own Adam on log τ, or the model's logit_scale
+    lr_tau=0.01,               # the loss's Adam on log τ: log τ moves by at most ≈ lr_tau per step
+    tau_min=0.001,             # bounds of a learned τ (the paper's τ = 0.01 is for batches of 5120; 32k wants less)
+    tau_max=1.0,
+    **ESTIMATOR_TEMPERATURE_OPTIONS,
     epsilon=1e-14,             # ε in log(ε + g)
     gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample state)
     gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
@@ -27,8 +38,8 @@ DRO_OPTIONS = dict(
     state_layout='auto',       # per-sample tables replicated on every rank or sharded (auto: by their size)
 )
 # Losses with their own temperature source keep the estimator's options only
-ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'epsilon', 'gamma', 'gamma_decay_epochs', 'tile_size',
-                                                  'state_layout')}
+ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'target_negatives', 'epsilon', 'gamma', 'gamma_decay_epochs',
+                                                  'tile_size', 'state_layout')}
 
 # MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
 DISTILL_OPTIONS = dict(
@@ -37,8 +48,59 @@ DISTILL_OPTIONS = dict(
 )
 
 
-def _temperature(o):
-    return LogitScaleTemperature() if o.learn_temperature else FixedTemperature(o.temperature)
+def _learns_temperature(o) -> bool:
+    return o.temperature == AUTO or o.learn_temperature
+
+
+def _check_auto(o, name, low):
+    value = getattr(o, name)
+    if isinstance(value, str) and value != AUTO:
+        raise ValueError(f"{name} must be a number or '{AUTO}', got {value!r}")
+    if value != AUTO and not value >= low:
+        raise ValueError(f"{name} must be {'> 0' if low > 0 else '≥ 0'}, got {value}")
+
+
+def _global_temperature(o, use_reference):
+    """A DRO loss's global τ: fixed, or learned by the loss's own Adam (from a given τ or an 'auto' one) or through
+    the model's logit_scale."""
+    _check_auto(o, 'temperature', 1e-300)
+    if not _learns_temperature(o):
+        return FixedTemperature(o.temperature)
+    if o.temperature == AUTO and not use_reference:
+        raise ValueError(f"temperature '{AUTO}' is chosen from the reference model's margins, which this loss does "
+                         f"not shift by: give a number")
+    if o.temperature_optimizer not in ('loss', 'model'):
+        raise ValueError(f"temperature_optimizer must be 'loss' or 'model', got {o.temperature_optimizer!r}")
+    if o.temperature_optimizer == 'model':
+        if o.temperature == AUTO:
+            raise ValueError(f"temperature '{AUTO}' is learned by the loss's own Adam: with temperature_optimizer "
+                             f"'model' give the initial τ (the model's logit_scale starts from it)")
+        return LogitScaleTemperature()
+    return LearnedTemperature(None if o.temperature == AUTO else o.temperature, o.tau_min, o.tau_max, o.lr_tau,
+                              o.target_negatives, o.world_size)
+
+
+def _rho(o):
+    """(ρ, target_negatives) of the core: ρ from the batch ('auto', None for the core) or as given."""
+    _check_auto(o, 'rho', 0)
+    return (None if o.rho == AUTO else o.rho), o.target_negatives
+
+
+def _global_temperature_inactive(o) -> dict:
+    if not _learns_temperature(o):
+        why = "a fixed τ; learn it with learn_temperature, or temperature 'auto'"
+        return {k: why for k in ('temperature_optimizer', 'lr_tau', 'tau_min', 'tau_max', 'rho', 'target_negatives')}
+    unread = {}
+    if o.temperature_optimizer == 'model':
+        unread.update({k: "τ is the model's logit_scale, learned by OpenCLIP's optimiser"
+                       for k in ('lr_tau', 'tau_min', 'tau_max')})
+    if o.temperature != AUTO and o.rho != AUTO:
+        unread['target_negatives'] = "it sets an 'auto' τ or ρ, and neither is 'auto'"
+    return unread
+
+
+def _estimator_temperature_inactive(o) -> dict:
+    return {} if o.rho == AUTO else {'target_negatives': "it sets an 'auto' ρ"}
 
 
 def _keeps_state(o) -> bool:
@@ -64,11 +126,13 @@ def _state(o, sharding):
     return MovingAverageState(o.gamma, o.gamma_decay_epochs, sharding)
 
 
-def _dro(o, use_reference, temperature=None, rho=None, sharding=None, **core_options):
-    """The core with the common options; `temperature` and `rho` default to the global τ (ρ only when learned)."""
+def _dro(o, use_reference, temperature=None, sharding=None, **core_options):
+    """The core with the common options; `temperature` defaults to the global τ (with ρ only when it is learned)."""
+    rho, target_negatives = _rho(o)
     if temperature is None:
-        temperature = _temperature(o)
-        rho = o.rho if o.learn_temperature else 0.0
+        temperature = _global_temperature(o, use_reference)
+        if not _learns_temperature(o):
+            rho = 0.0
     if o.tile_size < 0:
         raise ValueError(f"tile_size must be ≥ 0 (0: untiled), got {o.tile_size}")
     if o.tile_size:
@@ -76,7 +140,8 @@ def _dro(o, use_reference, temperature=None, rho=None, sharding=None, **core_opt
     if sharding is None:
         sharding = _sharding(o)
     return DROContrastiveLoss(
-        temperature, getattr(o, 'epsilon', None), rho=rho, state=_state(o, sharding), use_reference=use_reference,
+        temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives,
+        state=_state(o, sharding), use_reference=use_reference,
         rank=o.rank, world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', 100.0), **core_options)
 
@@ -95,7 +160,9 @@ def clip(o):
     'drrho', reference='required', stateful=True, run_options=STATEFUL,
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
-    defaults=dict(DRO_OPTIONS, temperature=0.01, epsilon=1e-4, rho=8.5, **DISTILL_OPTIONS))
+    # τ 'auto' and ρ from the batch (the paper's setting, for batches of 5120: temperature=0.01 fixed), the paper's ε
+    defaults=dict(DRO_OPTIONS, temperature=AUTO, epsilon=1e-4, **DISTILL_OPTIONS),
+    inactive=_global_temperature_inactive)
 def drrho(o):
     return _dro(o, use_reference=True)
 
@@ -103,50 +170,55 @@ def drrho(o):
 @register_loss(
     'sogclr', stateful=True, run_options=STATEFUL,
     help="SogCLR / FastCLIP-v1: global contrastive loss, fixed τ, per-sample u with γ",
-    defaults=DRO_OPTIONS)
+    # the paper's fixed τ = 0.07, OpenCLIP's initial one: without a reference there are no margins to choose τ from
+    defaults=DRO_OPTIONS, inactive=_global_temperature_inactive)
 def sogclr(o):
     return _dro(o, use_reference=False)
 
 
 @register_loss(
     'fastclip', reference='optional', stateful=True, run_options=STATEFUL,
-    help="FastCLIP-v3: global contrastive loss with the model's learnable τ and the KL-constraint ρ (Wei et al., "
-         "2024); with distill_weight > 0, plus KD from the reference model (the contrastive part is not shifted)",
-    # the paper's CC12M / ViT-B/32 setting
-    defaults=dict(DRO_OPTIONS, learn_temperature=True, temperature=0.07, rho=8.5, gamma=0.2, gamma_decay_epochs=16,
-                  **DISTILL_OPTIONS))
+    help="FastCLIP-v3: global contrastive loss with a learned τ and the KL-constraint ρ (Wei et al., 2024); with "
+         "distill_weight > 0, plus KD from the reference model (the contrastive part is not shifted)",
+    # the paper's CC12M / ViT-B/32 setting, but ρ from the batch (its 8.5 is rho=8.5) and τ learned by the loss's own
+    # Adam at lr_tau (as the official lr_tau parameter group learns logit_scale)
+    defaults=dict(DRO_OPTIONS, learn_temperature=True, temperature=0.07, gamma=0.2, gamma_decay_epochs=16,
+                  **DISTILL_OPTIONS),
+    inactive=_global_temperature_inactive)
 def fastclip(o):
     if not o.learn_temperature:
-        raise ValueError("fastclip learns τ (the model's logit_scale); for a fixed τ use the loss sogclr")
+        raise ValueError("fastclip learns τ; for a fixed τ use the loss sogclr")
     return _dro(o, use_reference=False)
 
 
 @register_loss(
     'isogclr', stateful=True, run_options=STATEFUL,
     help="FastCLIP-v2 / iSogCLR: a learnable τ per sample and modality (per-sample Adam), ρ, per-sample u",
-    # the FastCLIP paper's v2 setting (CC3M); tau_* are the per-sample Adam's
-    defaults=dict(ESTIMATOR_OPTIONS, temperature=0.03, rho=7.0, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01,
-                  tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8))
+    # the FastCLIP paper's v2 setting (CC3M), but ρ from the batch (its 7.0 is rho=7); tau_* are the per-sample Adam's
+    defaults=dict(ESTIMATOR_OPTIONS, temperature=0.03, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01,
+                  tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8),
+    inactive=_estimator_temperature_inactive)
 def isogclr(o):
     sharding = _sharding(o, per_sample_temperature=True)
     temperature = PerSampleTemperature(sharding, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
                                        o.tau_beta2, o.tau_eps)
-    return _dro(o, use_reference=False, temperature=temperature, rho=o.rho, sharding=sharding)
+    return _dro(o, use_reference=False, temperature=temperature, sharding=sharding)
 
 
 @register_loss(
     'tempnet', reference='optional', stateful=True, run_options=(*STATEFUL, 'embed_dim'),
     help="TempNet: τ per anchor predicted by a small network on the detached features, learned through the "
          "KL-constrained DRO objective (Qiu et al., 2024); its parameters must be attached to the model",
-    # the official CLIP code's values (the paper's are elided in our copy)
-    defaults=dict(ESTIMATOR_OPTIONS, rho=7.0, gamma=0.8, gamma_decay_epochs=1, tau_min=0.005, tau_max=0.05,
-                  tempnet_width=256, tempnet_prototypes=256, reference_shift=False))
+    # the official CLIP code's values (the paper's are elided in our copy), but ρ from the batch (its 7.0 is rho=7)
+    defaults=dict(ESTIMATOR_OPTIONS, gamma=0.8, gamma_decay_epochs=1, tau_min=0.005, tau_max=0.05,
+                  tempnet_width=256, tempnet_prototypes=256, reference_shift=False),
+    inactive=_estimator_temperature_inactive)
 def tempnet(o):
     if o.embed_dim <= 0:
         raise ValueError("tempnet needs the model's embedding size: pass embed_dim (the model's embed_dim)")
     temperature = TempNetTemperature(o.embed_dim, width=o.tempnet_width, prototypes=o.tempnet_prototypes,
                                      tau_min=o.tau_min, tau_max=o.tau_max)
-    return _dro(o, use_reference=o.reference_shift, temperature=temperature, rho=o.rho)
+    return _dro(o, use_reference=o.reference_shift, temperature=temperature)
 
 
 @register_loss(
@@ -155,7 +227,8 @@ def tempnet(o):
          "(Wu et al., 2023)",
     # the paper's SimCSE-BERT setting (τ 0.07, µ 0.4, σ 1); mini-batch like the paper (γ = 1)
     defaults=dict({k: v for k, v in DRO_OPTIONS.items() if k != 'epsilon'}, temperature=0.07, gamma=1.0,
-                  adnce_mu=0.4, adnce_sigma=1.0, reference_shift=False))
+                  adnce_mu=0.4, adnce_sigma=1.0, reference_shift=False),
+    inactive=_global_temperature_inactive)
 def adnce(o):
     # ε is replaced by the positive's own term: see DROContrastiveLoss (positive_in_denominator)
     return _dro(o, use_reference=o.reference_shift, negative_log_weight=adnce_log_weight(o.adnce_mu, o.adnce_sigma),
@@ -168,7 +241,8 @@ def adnce(o):
          "Liu et al., 2024)",
     defaults=dict(learn_temperature=True, temperature=0.07, balance_steps=2, reference_shift=False))
 def balanced(o):
-    return BalancedClipLoss(_temperature(o), o.balance_steps, use_reference=o.reference_shift, rank=o.rank,
+    temperature = LogitScaleTemperature() if o.learn_temperature else FixedTemperature(o.temperature)
+    return BalancedClipLoss(temperature, o.balance_steps, use_reference=o.reference_shift, rank=o.rank,
                             world_size=o.world_size)
 
 

@@ -1,9 +1,12 @@
 """Loss registry: names → factories, in the style of timm's model registry (`list_losses`, `create_loss`).
 
-A loss's options are of two kinds. The user's are its `defaults` (the paper's values; command-line flags in the
-OpenCLIP plugin). The training run's are named in its `run_options`: facts of the run (dataset size, rank, world
-size, the model's embedding size, OpenCLIP's --local-loss / --gather-with-grad) that the run supplies to the losses
-that read them, and only to those.
+A loss's options are of two kinds. The user's are its `defaults` (command-line flags in the OpenCLIP plugin; an
+option whose values are not all of its default's type names its parser in `OPTION_TYPES`). The training run's are
+named in its `run_options`: facts of the run (dataset size, rank, world size, the model's embedding size, OpenCLIP's
+--local-loss / --gather-with-grad) that the run supplies to the losses that read them, and only to those.
+
+Some options act only in some settings (a fixed τ has no ρ): a loss's `inactive(options)` names those its other
+options leave without effect, and `create_loss` refuses them when they are given a value other than the default.
 """
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -20,18 +23,38 @@ RUN_OPTION_DEFAULTS = dict(
 )
 DISTRIBUTED = ('rank', 'world_size')  # what every loss is given
 
+AUTO = 'auto'  # a value chosen from the training batch (a temperature, a ρ)
+
+
+def float_or_auto(text):
+    """A number, or 'auto': how a command line gives `temperature` and `rho`."""
+    return AUTO if text == AUTO else float(text)
+
+
+# The parsers of the options that take more than their default's type
+OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto)
+
 OPTION_HELP = dict(
-    temperature="τ, fixed, or its initial value when learned",
-    learn_temperature="learn a global τ (the model's logit_scale) with the KL-constrained DRO objective and ρ",
-    rho="ρ of the KL-constrained DRO (the + ρτ term per direction), with a learned τ",
+    temperature="τ: fixed, its initial value when learned, or 'auto': chosen from the first batch's reference margins "
+                "(its median anchor spreads its weight over --target-negatives negatives), then learned",
+    learn_temperature="learn the global τ from --temperature with the KL-constrained DRO objective and ρ",
+    temperature_optimizer="what learns a learned global τ: 'loss' (the loss's own Adam on log τ with --lr-tau, "
+                          "bounded by --tau-min/--tau-max) or 'model' (the model's logit_scale, by OpenCLIP's "
+                          "optimiser at the model's learning rate)",
+    rho="ρ of the KL-constrained DRO (the + ρτ term per direction), with a learned τ; 'auto': log((B − 1)/k) for "
+        "the global batch B and k = --target-negatives, where a learned τ spreads each anchor's weight over k "
+        "negatives",
+    target_negatives="k, the effective negatives per anchor (exp of the entropy of its DRO weights) that an 'auto' "
+                     "τ starts from and an 'auto' ρ keeps",
     epsilon="ε in τ·log(ε + g)",
     gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample state)",
     gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma",
     distill_weight="λ of the distillation from the reference model: (1−λ)·contrastive + λ·KD",
     reference_logit_scale="the reference model's logit scale (KD teacher, JEST scores)",
-    tau_min="lower bound of the learned per-sample τ",
-    tau_max="upper bound of the learned per-sample τ",
-    lr_tau="learning rate of the per-sample τ (its own Adam)",
+    tau_min="lower bound of the learned τ",
+    tau_max="upper bound of the learned τ",
+    lr_tau="learning rate of the learned τ's own Adam (global τ: on log τ, which moves by at most about lr_tau per "
+           "step; per-sample τ: on τ)",
     tau_beta1="β1 of the per-sample τ's Adam",
     tau_beta2="β2 of the per-sample τ's Adam",
     tau_eps="eps of the per-sample τ's Adam",
@@ -61,12 +84,14 @@ class LossSpec:
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
     stateful: bool = False                          # keeps per-sample state (needs the sample index)
     run_options: Tuple[str, ...] = DISTRIBUTED      # the options of RUN_OPTION_DEFAULTS the training run supplies
+    inactive: Callable = None                       # options -> {option: why it has no effect with these options}
 
 
 _LOSSES: Dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, help: str, defaults=None, reference='none', stateful=False, run_options=DISTRIBUTED):
+def register_loss(name: str, help: str, defaults=None, reference='none', stateful=False, run_options=DISTRIBUTED,
+                  inactive=None):
     """Decorator registering `factory(options) -> nn.Module` under `name`."""
     def wrap(factory):
         if name in _LOSSES:
@@ -78,7 +103,8 @@ def register_loss(name: str, help: str, defaults=None, reference='none', statefu
         both = sorted(set(run_options) & set(defaults or {}))
         if both:
             raise ValueError(f"loss '{name}': {', '.join(both)} are run options, not the user's")
-        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, stateful, tuple(run_options))
+        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, stateful, tuple(run_options),
+                                 inactive)
         return factory
     return wrap
 
@@ -119,6 +145,20 @@ def loss_options(name: str, **overrides) -> SimpleNamespace:
     return SimpleNamespace(**options)
 
 
+def inactive_options(name: str, options: SimpleNamespace) -> Dict[str, str]:
+    """{option: why it has no effect} for the options of a loss that these `options` (`loss_options`) leave unread."""
+    spec = get_loss_spec(name)
+    return dict(spec.inactive(options)) if spec.inactive else {}
+
+
 def create_loss(name: str, **overrides):
-    """Build the loss registered as `name`, e.g. `create_loss('drrho', num_samples=len(dataset))`."""
-    return get_loss_spec(name).factory(loss_options(name, **overrides))
+    """Build the loss registered as `name`, e.g. `create_loss('drrho', num_samples=len(dataset))`. An option given
+    a value other than its default where the other options leave it without effect is an error."""
+    spec = get_loss_spec(name)
+    options = loss_options(name, **overrides)
+    unread = {k: why for k, why in inactive_options(name, options).items()
+              if overrides.get(k) is not None and overrides[k] != spec.defaults[k]}
+    if unread:
+        raise ValueError(f"loss '{name}': " + '; '.join(f"{k} has no effect here ({why})" for k, why in unread.items())
+                         + ": drop it")
+    return spec.factory(options)

@@ -1,7 +1,9 @@
-"""Every temperature source of the DRO core: a fixed τ, the model's learnable global τ (1/logit_scale), one τ per
-sample (iSogCLR / FastCLIP-v2) and a temperature network (TempNet).
+"""Every temperature source of the DRO core: a fixed τ, a global τ learned by the loss's own Adam (started from a
+given value or chosen from the first batch), the model's learnable global τ (1/logit_scale), one τ per sample
+(iSogCLR / FastCLIP-v2) and a temperature network (TempNet).
 
-A source is called as `source(logit_scale=..., index=..., image_features=..., text_features=...)` and returns
+A source is called as `source(logit_scale=..., index=..., image_features=..., text_features=..., reference=...)`
+(`reference`: the core's (ref_image, ref_text, all_ref_image, all_ref_text) or None) and returns
 (τ of the image anchors, τ of the text anchors), each 0-dim or one per anchor; the core casts them to its
 elementwise dtype on the features' device. The last two give one τ per anchor and direction, and both are learned
 from the τ-gradient of the core's per-anchor objective,
@@ -10,12 +12,18 @@ from the τ-gradient of the core's per-anchor objective,
     w_ij = exp(ℓ̂_ij/τ_i) / (ε + u_i),
 
 which the core's surrogate carries (`core.sogclr_estimate`): the table by its own Adam step, TempNet by autograd.
+
+The KL-DRO reading that chooses τ and ρ: an anchor's weights p_ij ∝ exp(ℓ̂_ij/τ) over its B − 1 negatives have an
+effective number n_eff = exp(entropy) = (B − 1)·exp(−KL(p ‖ uniform)), and G above (ε aside) is ρ − KL: a learned
+τ settles where the anchors' KL is ρ. One number, the target effective negatives per anchor k, therefore sets both
+the τ to start from (`temperature_for_effective_negatives`) and ρ = log((B − 1)/k) (`rho_for_batch`).
 """
 import math
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .collectives import all_reduce, check_device
 from .precision import at_least_float32
 from .state import SampleSharding
 
@@ -44,6 +52,137 @@ class LogitScaleTemperature(nn.Module):
             raise ValueError("a learnable temperature needs the model's logit_scale")
         tau = 1.0 / at_least_float32(logit_scale)
         return tau, tau
+
+
+# At most this many anchors per direction (the first of the global batch, the same on every rank) choose the initial
+# τ: their median is as good as all B anchors', and the [r, B] margins stay small at a batch of 32k (128 MiB)
+TEMPERATURE_CHOICE_ANCHORS = 512
+
+
+def reference_margins(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = None) -> torch.Tensor:
+    """[2r, B − 1] margins m_ij = s^ref_ii − s^ref_ij of the first r = min(B, max_anchors) anchors of a batch over
+    their B − 1 negatives (image anchors, then text anchors), in float64. At the start of training the learner's
+    similarities carry nothing, so the RHO-shifted loss is ℓ̂_ij ≈ m_ij and an anchor's DRO weights are
+    softmax_j(m_ij/τ)."""
+    ref_image, ref_text = ref_image.double(), ref_text.double()
+    batch = ref_image.shape[0]
+    anchors = batch if max_anchors is None else min(batch, max_anchors)
+    # anchor i's negatives are the columns j ≠ i: slot t holds column t, or t + 1 from the positive on (a gather, not
+    # a boolean mask, so that no device has to synchronise on the number of selected entries)
+    slots = torch.arange(batch - 1, device=ref_image.device)[None, :]
+    columns = slots + (slots >= torch.arange(anchors, device=ref_image.device)[:, None])
+    rows = []
+    for anchor, candidates in ((ref_image, ref_text), (ref_text, ref_image)):
+        sim = anchor[:anchors] @ candidates.T
+        rows.append(sim.diagonal()[:, None] - sim.gather(1, columns))
+    return torch.cat(rows)
+
+
+def effective_negatives(margins: torch.Tensor, tau) -> torch.Tensor:
+    """Per anchor (row), exp(entropy) of the weights softmax_j(m_ij/τ): between 1 and the row's length."""
+    log_p = torch.log_softmax(margins / tau, dim=1)
+    return torch.exp(-(log_p.exp() * log_p).sum(dim=1))
+
+
+def temperature_for_effective_negatives(margins: torch.Tensor, target: float, tau_min: float, tau_max: float,
+                                        iterations: int = 40) -> torch.Tensor:
+    """The τ in [tau_min, tau_max] at which the median anchor (row of `margins`) has `target` effective negatives,
+    as a 0-dim float64 tensor: a bisection in log τ (n_eff grows with τ), on the margins' device without a host
+    synchronisation. tau_max if even it spreads the median anchor over fewer, tau_min if that spreads it over more."""
+    low = torch.tensor(math.log(tau_min), dtype=torch.float64, device=margins.device)
+    high = torch.tensor(math.log(tau_max), dtype=torch.float64, device=margins.device)
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        enough = effective_negatives(margins, middle.exp()).median() >= target
+        low, high = torch.where(enough, low, middle), torch.where(enough, middle, high)
+    return high.exp()
+
+
+def rho_for_batch(batch_size: int, target_negatives: float) -> float:
+    """ρ = log((B − 1)/k): a learned τ settles where the anchors' KL(p ‖ uniform) is ρ, i.e. where they spread their
+    weight over k = (B − 1)·e^(−ρ) effective negatives (0 when the batch has no more than k negatives)."""
+    return max(0.0, math.log((batch_size - 1) / target_negatives))
+
+
+class LearnedTemperature(nn.Module):
+    """A global τ learned by the loss's own Adam on log τ, with its own learning rate: the official code gives the
+    model's logit_scale (= −log τ) a parameter group of its own (--lr_tau), where Adam takes these same steps; here
+    the model's learning rate and schedule, which leave τ near its start for hundreds of steps, play no part.
+
+    τ starts at `tau_init`, or, with `tau_init=None` ('auto'), at the first call's
+    `temperature_for_effective_negatives` of the global batch's reference margins for `target_negatives`: every
+    rank computes it from the same gathered features, so every rank starts from the same τ. Once per optimiser step
+    the core calls `step(objective)`: G = ∂ mean(objective)/∂ log τ by autograd on the leaf `forward` handed out,
+    averaged over ranks (one scalar all-reduce), then
+
+        m ← β1 m + (1−β1) G,   v ← β2 v + (1−β2) G²,   log τ ← clip(log τ − lr · m / (√v + eps), log τ_min, log τ_max)
+
+    so log τ moves by at most about lr per step. m and v start at the first G and G² (NaN marks "no step yet"), as
+    the per-sample τ's do; log τ is NaN until an 'auto' τ is chosen. All three are buffers: checkpoints, resume and
+    `loss.to(device)` carry them.
+    """
+
+    def __init__(self, tau_init, tau_min: float, tau_max: float, lr: float, target_negatives: float = 8,
+                 world_size: int = 1, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
+        super().__init__()
+        if not 0 < tau_min <= tau_max or (tau_init is not None and not tau_min <= tau_init <= tau_max):
+            raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
+        if lr < 0:
+            raise ValueError(f"the temperature's learning rate lr_tau must be ≥ 0, got {lr}")
+        if not target_negatives >= 1:
+            raise ValueError(f"target_negatives must be ≥ 1 (an anchor has at least one negative), got "
+                             f"{target_negatives}")
+        self.tau_min, self.tau_max, self.lr, self.target_negatives = tau_min, tau_max, lr, target_negatives
+        self.world_size = world_size
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        log_tau = float('nan') if tau_init is None else math.log(tau_init)
+        self.register_buffer('log_tau', torch.tensor(log_tau, dtype=torch.float64))
+        self.register_buffer('exp_avg', torch.tensor(float('nan'), dtype=torch.float64))
+        self.register_buffer('exp_avg_sq', torch.tensor(float('nan'), dtype=torch.float64))
+        self._chosen = tau_init is not None  # a host-side copy of "log τ is set": no device read per call
+        self._leaf = None  # the log τ handed out by the last forward, whose gradient step() reads
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._chosen = not torch.isnan(self.log_tau).item()
+
+    def forward(self, image_features=None, reference=None, **_):
+        check_device(self.log_tau, image_features.device, 'the learned temperature')
+        if not self._chosen:
+            if reference is None:
+                raise ValueError("temperature 'auto' is chosen from the reference margins of the first batch, and "
+                                 "this batch carries no reference features")
+            with torch.no_grad():
+                margins = reference_margins(reference[2], reference[3], TEMPERATURE_CHOICE_ANCHORS)
+                tau = temperature_for_effective_negatives(margins, self.target_negatives, self.tau_min, self.tau_max)
+                self.log_tau.copy_(tau.log())
+            self._chosen = True
+        if self.lr == 0:
+            tau = self.log_tau.exp()
+        else:
+            self._leaf = self.log_tau.clone().requires_grad_()
+            tau = self._leaf.exp()
+        return tau, tau
+
+    def step(self, objective: torch.Tensor):
+        """One Adam step on log τ; `objective` holds the per-anchor terms of the last call (this rank's anchors)."""
+        if self.lr == 0:
+            return
+        if not objective.requires_grad:
+            raise RuntimeError("a learned temperature learns from the loss's gradient: call the loss with gradients "
+                               "enabled")
+        grad, = torch.autograd.grad(objective.mean(), self._leaf, retain_graph=True)
+        self._leaf = None
+        # the mean over ranks of their anchors' means: the gradient of the global batch's mean objective
+        grad = all_reduce(grad.detach().clone(), self.world_size, objective.device) / self.world_size
+        with torch.no_grad():
+            grad = grad.to(self.log_tau)
+            first = torch.isnan(self.exp_avg)
+            self.exp_avg.copy_(torch.where(first, grad, self.beta1 * self.exp_avg + (1 - self.beta1) * grad))
+            self.exp_avg_sq.copy_(torch.where(first, grad ** 2,
+                                              self.beta2 * self.exp_avg_sq + (1 - self.beta2) * grad ** 2))
+            step = self.lr * self.exp_avg / (self.exp_avg_sq.sqrt() + self.eps)
+            self.log_tau.copy_((self.log_tau - step).clamp(math.log(self.tau_min), math.log(self.tau_max)))
 
 
 class PerSampleTemperature(nn.Module):

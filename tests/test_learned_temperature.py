@@ -1,0 +1,182 @@
+"""The global τ learned by the loss's own Adam on log τ: the 'auto' start from the first batch's reference margins,
+ρ from the batch, its gradient against the paper's objective, its steps, bounds and state. Two processes equal one in
+test_losses_distributed.py (scenarios drrho-auto, fastclip)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from drrho_openclip.losses import (LearnedTemperature, create_loss, effective_negatives, get_loss_spec,
+                                   reference_margins, rho_for_batch, temperature_for_effective_negatives)
+from test_losses_reference import F64, batch, inner_mean, shifted_loss
+
+
+def call(loss, image, text, ref_image, ref_text):
+    return loss(image, text, None, index=torch.arange(len(image)), ref_image_features=ref_image,
+                ref_text_features=ref_text, output_dict=True)['contrastive_loss']
+
+
+def median_effective_negatives(ref_image, ref_text, tau):
+    """From the definitions, in numpy: every anchor's weights softmax_j((s^ref_ii − s^ref_ij)/τ) over its negatives,
+    both directions, exp of their entropy; the median as torch takes it (the lower middle of an even count)."""
+    sim = (ref_image @ ref_text.T).numpy()
+    n_eff = []
+    for s in (sim, sim.T):
+        for i, row in enumerate(s):
+            margins = np.delete(s[i, i] - row, i)
+            p = np.exp((margins - margins.max()) / tau)
+            p /= p.sum()
+            n_eff.append(np.exp(-(p * np.log(p)).sum()))
+    return np.sort(n_eff)[(len(n_eff) - 1) // 2]
+
+
+@pytest.mark.parametrize('n, k', [(32, 8.0), (64, 8.0), (64, 3.0)])
+def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k):
+    g = torch.Generator().manual_seed(n + int(k))
+    image, text, ref_image, ref_text = batch(g, n, d=8, ref_d=8)
+    loss = create_loss('drrho', num_samples=n, gamma=1.0, target_negatives=k).double()
+    call(loss, image, text, ref_image, ref_text)
+    tau = loss.metrics()['tau_image_mean']  # the τ the first call used: the one chosen before its step
+    assert get_loss_spec('drrho').defaults['tau_min'] < tau < get_loss_spec('drrho').defaults['tau_max']
+    assert median_effective_negatives(ref_image, ref_text, tau) == pytest.approx(k, rel=1e-6)
+
+
+def test_auto_temperature_stays_within_its_bounds():
+    g = torch.Generator().manual_seed(0)
+    _, _, ref_image, ref_text = batch(g, 16)
+    margins = reference_margins(ref_image, ref_text)
+    assert margins.shape == (32, 15)
+    # more effective negatives than a row has: no τ spreads enough, the upper bound
+    assert temperature_for_effective_negatives(margins, 15.5, 0.01, 2.0).item() == pytest.approx(2.0)
+    # one effective negative: every τ spreads enough, the lower bound
+    assert temperature_for_effective_negatives(margins, 1.0, 0.01, 2.0).item() == pytest.approx(0.01)
+    tau = temperature_for_effective_negatives(margins, 5.0, 0.01, 2.0)
+    assert effective_negatives(margins, tau).median().item() == pytest.approx(5.0, rel=1e-6)
+
+
+def test_rho_from_the_batch():
+    g = torch.Generator().manual_seed(1)
+    n = 24
+    image, text, ref_image, ref_text = batch(g, n)
+    loss = create_loss('drrho', num_samples=n, gamma=1.0, target_negatives=4.0).double()
+    call(loss, image, text, ref_image, ref_text)
+    assert loss.metrics()['rho'] == pytest.approx(math.log(23 / 4))
+    assert rho_for_batch(5, 8) == 0.0  # no more negatives than the target: no constraint
+    values = {}
+    for rho in (2.5, 0.0):
+        given = create_loss('drrho', num_samples=n, gamma=1.0, rho=rho).double()
+        values[rho] = call(given, image, text, ref_image, ref_text).item()
+        assert given.rho == rho and 'rho' not in given.metrics()  # logged only when it comes from the batch
+    # the same 'auto' τ from the same batch: the two losses differ by the ρ term of both directions, 2ρτ
+    tau = given.metrics()['tau_image_mean']
+    assert values[2.5] - values[0.0] == pytest.approx(2 * 2.5 * tau, rel=1e-9)
+
+
+@pytest.mark.parametrize('name', ['drrho', 'fastclip'])
+def test_adam_temperature_gradient_is_the_papers(name):
+    """Appendix C.3 with γ = 1: the Adam's first moment after one step is G = ∂L/∂log τ = τ ∂L/∂τ of
+    L = mean_i [τ log(ε + g_i) + τ log(ε + g'_i)] + 2ρτ, by autograd of the formula; its first step moves log τ
+    by lr·G/(|G| + eps), and the next call uses the new τ."""
+    n, eps, rho, lr, tau0 = 7, 1e-3, 0.7, 0.02, 0.05
+    g = torch.Generator().manual_seed(5)
+    loss = create_loss(name, num_samples=n, gamma=1.0, epsilon=eps, rho=rho, temperature=tau0, lr_tau=lr,
+                       learn_temperature=True).double()
+    use_ref = name == 'drrho'
+    log_tau = math.log(tau0)
+    for step in range(3):
+        image, text, ref_image, ref_text = batch(g, n)
+        call(loss, image, text, ref_image, ref_text)
+        assert loss.metrics()['tau_image_mean'] == pytest.approx(math.exp(log_tau), rel=1e-12)
+        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ())).detach()
+        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ())).detach()
+        leaf = torch.tensor(log_tau, **F64, requires_grad=True)
+        tau = leaf.exp()
+        objective = (tau * torch.log(eps + inner_mean(ell_image, tau))
+                     + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
+        grad, = torch.autograd.grad(objective, leaf)
+        temperature = loss.temperature
+        if step == 0:  # the moments start at the first gradient
+            assert temperature.exp_avg.item() == pytest.approx(grad.item(), rel=1e-9)
+            assert temperature.exp_avg_sq.item() == pytest.approx(grad.item() ** 2, rel=1e-9)
+            assert temperature.log_tau.item() == pytest.approx(log_tau - lr * grad.item() / (abs(grad.item()) + 1e-8),
+                                                               rel=1e-12)
+        log_tau = temperature.log_tau.item()
+
+
+def consistent_objective(temperature, slope):
+    """A per-anchor objective slope·log τ through the temperature's leaf: its gradient is `slope`, every step."""
+    tau, _ = temperature(image_features=torch.zeros(4, 2))
+    return slope * tau.log().expand(4)
+
+
+def test_tau_moves_by_lr_per_step_under_a_consistent_gradient_and_stops_at_its_bounds():
+    lr = 0.01
+    temperature = LearnedTemperature(0.07, tau_min=0.01, tau_max=1.0, lr=lr).double()
+    for _ in range(100):
+        temperature.step(consistent_objective(temperature, slope=-0.3))  # G < 0: τ grows
+    assert temperature.log_tau.item() == pytest.approx(math.log(0.07) + 100 * lr, rel=1e-6)
+    for _ in range(600):
+        temperature.step(consistent_objective(temperature, slope=2.0))  # reversed: τ shrinks, down to its bound
+    assert temperature.log_tau.item() == pytest.approx(math.log(0.01), rel=1e-12)
+    fixed = LearnedTemperature(0.07, tau_min=0.01, tau_max=1.0, lr=0.0)  # lr_tau 0: a τ that is never stepped
+    tau, _ = fixed(image_features=torch.zeros(4, 2))
+    fixed.step(tau.expand(4))
+    assert fixed.log_tau.item() == math.log(0.07) and not tau.requires_grad
+
+
+def test_state_round_trips_and_resumes_bit_exactly():
+    n = 16
+    g = torch.Generator().manual_seed(7)
+    batches = [batch(g, n) for _ in range(4)]
+    loss = create_loss('drrho', num_samples=n, gamma=0.5, gamma_decay_epochs=1).double()
+    for epoch, b in enumerate(batches[:2]):
+        loss.set_epoch(epoch)
+        call(loss, *b)
+    saved = {k: v.clone() for k, v in loss.state_dict().items()}
+    assert {'temperature.log_tau', 'temperature.exp_avg', 'temperature.exp_avg_sq'} <= set(saved)
+    assert not torch.isnan(saved['temperature.log_tau']) and not torch.isnan(saved['temperature.exp_avg'])
+
+    resumed = create_loss('drrho', num_samples=n, gamma=0.5, gamma_decay_epochs=1).double()
+    assert torch.isnan(resumed.temperature.log_tau)  # 'auto': not chosen yet
+    resumed.load_state_dict(saved)
+    for copy_ in (loss, resumed):
+        for epoch, b in enumerate(batches[2:], start=2):
+            copy_.set_epoch(epoch)
+            call(copy_, *b)
+    # the resumed loss kept the saved τ (not one chosen again from its first batch) and stepped it identically
+    for key, value in loss.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key].nan_to_num(-1), value.nan_to_num(-1)), key
+
+
+@pytest.mark.parametrize('name, options, message', [
+    ('sogclr', dict(temperature='auto'), 'does not shift by'),
+    ('drrho', dict(temperature='auto', temperature_optimizer='model'), 'give the initial τ'),
+    ('drrho', dict(temperature=0.01, rho=3.0), 'rho has no effect here'),
+    ('drrho', dict(temperature=0.01, lr_tau=0.1), 'lr_tau has no effect here'),
+    ('drrho', dict(temperature=0.05, learn_temperature=True, target_negatives=4.0, rho=2.0),
+     'target_negatives has no effect here'),
+    ('drrho', dict(temperature=0.05, learn_temperature=True, temperature_optimizer='model', tau_min=0.02),
+     'tau_min has no effect here'),
+    ('isogclr', dict(rho=7.0, target_negatives=4.0), 'target_negatives has no effect here'),
+    ('drrho', dict(temperature='hot'), "a number or 'auto'"),
+    ('drrho', dict(temperature=-0.1), 'temperature must be > 0'),
+    ('drrho', dict(lr_tau=-1.0), 'lr_tau must be ≥ 0'),
+    ('drrho', dict(target_negatives=0.5), 'target_negatives must be ≥ 1'),
+    ('drrho', dict(temperature_optimizer='sgd', learn_temperature=True, temperature=0.1), "'loss' or 'model'"),
+])
+def test_bad_temperature_options_raise(name, options, message):
+    with pytest.raises(ValueError, match=message.replace('(', r'\(').replace(')', r'\)')):
+        create_loss(name, num_samples=8, **options)
+
+
+def test_defaults_learn_tau_from_the_batch_and_keep_the_papers_one_flag_away():
+    spec = get_loss_spec('drrho')
+    assert spec.defaults['temperature'] == 'auto' and spec.defaults['rho'] == 'auto'
+    assert type(create_loss('drrho', num_samples=4).temperature).__name__ == 'LearnedTemperature'
+    paper = create_loss('drrho', num_samples=4, temperature=0.01)  # the paper's fixed τ, one option
+    assert type(paper.temperature).__name__ == 'FixedTemperature' and paper.rho == 0.0
+    assert type(create_loss('fastclip', num_samples=4).temperature).__name__ == 'LearnedTemperature'
+    assert type(create_loss('sogclr', num_samples=4).temperature).__name__ == 'FixedTemperature'
+    for name in ('isogclr', 'tempnet'):
+        assert get_loss_spec(name).defaults['rho'] == 'auto'
