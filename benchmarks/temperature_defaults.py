@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from drrho_openclip.demo import labelled_images, make_split, shape_classes, untrained_model, write_tiny_model
 from drrho_openclip.losses import create_loss
@@ -182,7 +181,7 @@ def mean_std(values):
 
 
 def markdown(report):
-    lines = [f"# Temperature defaults: drrho vs clip on the demo's shapes",
+    lines = ["# Temperature defaults: drrho vs clip on the demo's shapes",
              '', f"{report['machine']}; {report['minutes']:.1f} min; preset {report['preset']}.", '',
              f"Reference (trained with CLIP's loss on {report['reference']['pairs']} pairs, "
              f"{report['reference']['steps']} steps of batch 128): zero-shot top-1 "

@@ -35,7 +35,7 @@ def median_effective_negatives(ref_image, ref_text, tau):
 def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k):
     g = torch.Generator().manual_seed(n + int(k))
     image, text, ref_image, ref_text = batch(g, n, d=8, ref_d=8)
-    loss = create_loss('drrho', num_samples=n, gamma=1.0, target_negatives=k).double()
+    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=k).double()
     call(loss, image, text, ref_image, ref_text)
     tau = loss.metrics()['tau_image_mean']  # the τ the first call used: the one chosen before its step
     assert get_loss_spec('drrho').defaults['tau_min'] < tau < get_loss_spec('drrho').defaults['tau_max']
@@ -59,13 +59,13 @@ def test_rho_from_the_batch():
     g = torch.Generator().manual_seed(1)
     n = 24
     image, text, ref_image, ref_text = batch(g, n)
-    loss = create_loss('drrho', num_samples=n, gamma=1.0, target_negatives=4.0).double()
+    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=4.0).double()
     call(loss, image, text, ref_image, ref_text)
     assert loss.metrics()['rho'] == pytest.approx(math.log(23 / 4))
     assert rho_for_batch(5, 8) == 0.0  # no more negatives than the target: no constraint
     values = {}
     for rho in (2.5, 0.0):
-        given = create_loss('drrho', num_samples=n, gamma=1.0, rho=rho).double()
+        given = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, rho=rho).double()
         values[rho] = call(given, image, text, ref_image, ref_text).item()
         assert given.rho == rho and 'rho' not in given.metrics()  # logged only when it comes from the batch
     # the same 'auto' τ from the same batch: the two losses differ by the ρ term of both directions, 2ρτ
@@ -129,7 +129,7 @@ def test_state_round_trips_and_resumes_bit_exactly():
     n = 16
     g = torch.Generator().manual_seed(7)
     batches = [batch(g, n) for _ in range(4)]
-    loss = create_loss('drrho', num_samples=n, gamma=0.5, gamma_decay_epochs=1).double()
+    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
     for epoch, b in enumerate(batches[:2]):
         loss.set_epoch(epoch)
         call(loss, *b)
@@ -137,7 +137,7 @@ def test_state_round_trips_and_resumes_bit_exactly():
     assert {'temperature.log_tau', 'temperature.exp_avg', 'temperature.exp_avg_sq'} <= set(saved)
     assert not torch.isnan(saved['temperature.log_tau']) and not torch.isnan(saved['temperature.exp_avg'])
 
-    resumed = create_loss('drrho', num_samples=n, gamma=0.5, gamma_decay_epochs=1).double()
+    resumed = create_loss('drrho', num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
     assert torch.isnan(resumed.temperature.log_tau)  # 'auto': not chosen yet
     resumed.load_state_dict(saved)
     for copy_ in (loss, resumed):
@@ -161,8 +161,8 @@ def test_state_round_trips_and_resumes_bit_exactly():
     ('isogclr', dict(rho=7.0, target_negatives=4.0), 'target_negatives has no effect here'),
     ('drrho', dict(temperature='hot'), "a number or 'auto'"),
     ('drrho', dict(temperature=-0.1), 'temperature must be > 0'),
-    ('drrho', dict(lr_tau=-1.0), 'lr_tau must be ≥ 0'),
-    ('drrho', dict(target_negatives=0.5), 'target_negatives must be ≥ 1'),
+    ('drrho', dict(temperature='auto', lr_tau=-1.0), 'lr_tau must be ≥ 0'),
+    ('drrho', dict(temperature='auto', target_negatives=0.5), 'target_negatives must be ≥ 1'),
     ('drrho', dict(temperature_optimizer='sgd', learn_temperature=True, temperature=0.1), "'loss' or 'model'"),
 ])
 def test_bad_temperature_options_raise(name, options, message):
@@ -170,12 +170,13 @@ def test_bad_temperature_options_raise(name, options, message):
         create_loss(name, num_samples=8, **options)
 
 
-def test_defaults_learn_tau_from_the_batch_and_keep_the_papers_one_flag_away():
+def test_drrho_keeps_the_papers_fixed_tau_and_auto_is_one_option_away():
     spec = get_loss_spec('drrho')
-    assert spec.defaults['temperature'] == 'auto' and spec.defaults['rho'] == 'auto'
-    assert type(create_loss('drrho', num_samples=4).temperature).__name__ == 'LearnedTemperature'
-    paper = create_loss('drrho', num_samples=4, temperature=0.01)  # the paper's fixed τ, one option
+    assert spec.defaults['temperature'] == 0.01 and spec.defaults['rho'] == 'auto'
+    paper = create_loss('drrho', num_samples=4)  # the paper's fixed τ
     assert type(paper.temperature).__name__ == 'FixedTemperature' and paper.rho == 0.0
+    auto = create_loss('drrho', num_samples=4, temperature='auto')
+    assert type(auto.temperature).__name__ == 'LearnedTemperature'
     assert type(create_loss('fastclip', num_samples=4).temperature).__name__ == 'LearnedTemperature'
     assert type(create_loss('sogclr', num_samples=4).temperature).__name__ == 'FixedTemperature'
     for name in ('isogclr', 'tempnet'):

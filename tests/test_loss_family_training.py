@@ -10,6 +10,7 @@ from drrho_openclip.losses import list_losses
 CONFIGS = {
     'clip+kd': ('--loss', 'clip', '--distill-weight', '0.5', '{ref}'),
     'drrho': ('--loss', 'drrho', '{ref}'),
+    'drrho+auto': ('--loss', 'drrho', '--temperature', 'auto', '{ref}'),
     'drrho+kd+learnable': ('--loss', 'drrho', '--learn-temperature', '--distill-weight', '0.25', '{ref}'),
     'sogclr': ('--loss', 'sogclr'),
     'fastclip': ('--loss', 'fastclip'),
@@ -49,7 +50,10 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
 @pytest.mark.parametrize('flags_, message', [
     (('--loss', 'jest'), 'needs reference features'),
     (('--loss', 'sogclr', '--distill-weight', '0.5'), '--distill-weight: no such option for --loss sogclr'),
-    (('--loss', 'drrho', '--rho', '3', '--ref-model', 'x'), '--rho only acts with --learn-temperature'),
+    (('--loss', 'drrho', '--rho', '3', '--ref-model', 'x'), '--rho has no effect for --loss drrho'),
+    (('--loss', 'drrho', '--temperature', 'auto', '--temperature-optimizer', 'model', '--ref-model', 'x'),
+     'give the initial τ'),
+    (('--loss', 'sogclr', '--temperature', 'auto'), "which this loss does not shift by"),
     (('--loss', 'adnce', '--epsilon', '0.1'), '--epsilon: no such option for --loss adnce'),
     (('--loss', 'clip', '--temperature', '0.1'), '--temperature: no such option for --loss clip'),
     (('--loss', 'sogclr', '--ref-model', 'x'), 'does not read reference features'),

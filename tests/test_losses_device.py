@@ -55,7 +55,7 @@ def test_a_loss_left_on_the_host_says_so():
     image, text, ref_image, ref_text = batch(META)
     with pytest.raises(RuntimeError, match=r"per-sample table is on cpu.*loss\.to\('meta'\)"):
         loss(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
-    learned = build('drrho')  # τ 'auto': the learned temperature's buffers are the first to be read
+    learned = build('drrho', temperature='auto')  # τ 'auto': the learned temperature's buffers are the first to be read
     with pytest.raises(RuntimeError, match=r"learned temperature is on cpu.*loss\.to\('meta'\)"):
         learned(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
 

@@ -20,8 +20,8 @@ SCENARIOS = {
     'drrho-learnable': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, learn_temperature=True, rho=1.0,
                                       temperature=0.07, temperature_optimizer='model'), (0, 1)),
     # τ chosen from the gathered batch's reference margins, learned by the loss's Adam with the all-reduced gradient
-    'drrho-auto': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
-    'drrho-auto-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
+    'drrho-auto': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
+    'drrho-auto-tiled': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
     'fastclip': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     'sogclr': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1), (0, 1)),
     'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, tile_size=5), (0, 1)),

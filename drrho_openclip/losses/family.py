@@ -6,7 +6,7 @@ from .clip import ClipLoss
 from .core import DROContrastiveLoss
 from .jest import JESTLoss
 from .mobileclip import MobileClipLoss
-from .registry import AUTO, DISTRIBUTED, register_loss
+from .registry import AUTO, DISTRIBUTED, TEMPERATURE_OPTIMIZERS, register_loss
 from .state import MovingAverageState, SampleSharding, resolve_state_layout
 from .temperatures import (FixedTemperature, LearnedTemperature, LogitScaleTemperature, PerSampleTemperature,
                            TempNetTemperature)
@@ -69,7 +69,7 @@ def _global_temperature(o, use_reference):
     if o.temperature == AUTO and not use_reference:
         raise ValueError(f"temperature '{AUTO}' is chosen from the reference model's margins, which this loss does "
                          f"not shift by: give a number")
-    if o.temperature_optimizer not in ('loss', 'model'):
+    if o.temperature_optimizer not in TEMPERATURE_OPTIMIZERS:
         raise ValueError(f"temperature_optimizer must be 'loss' or 'model', got {o.temperature_optimizer!r}")
     if o.temperature_optimizer == 'model':
         if o.temperature == AUTO:
@@ -160,8 +160,9 @@ def clip(o):
     'drrho', reference='required', stateful=True, run_options=STATEFUL,
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
-    # τ 'auto' and ρ from the batch (the paper's setting, for batches of 5120: temperature=0.01 fixed), the paper's ε
-    defaults=dict(DRO_OPTIONS, temperature=AUTO, epsilon=1e-4, **DISTILL_OPTIONS),
+    # the paper's fixed τ = 0.01 (tuned for batches of 5120) and ε; temperature 'auto' chooses τ from the first
+    # batch's reference margins and learns it, with ρ from the batch
+    defaults=dict(DRO_OPTIONS, temperature=0.01, epsilon=1e-4, **DISTILL_OPTIONS),
     inactive=_global_temperature_inactive)
 def drrho(o):
     return _dro(o, use_reference=True)

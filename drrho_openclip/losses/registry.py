@@ -33,6 +33,8 @@ def float_or_auto(text):
 
 # The parsers of the options that take more than their default's type
 OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto)
+# What learns a learned global τ: the loss's own Adam on log τ, or the model's logit_scale
+TEMPERATURE_OPTIMIZERS = ('loss', 'model')
 
 OPTION_HELP = dict(
     temperature="τ: fixed, its initial value when learned, or 'auto': chosen from the first batch's reference margins "

@@ -7,8 +7,8 @@ import textwrap
 
 from ..data import input_kind
 from ..features import FeatureStore, FeatureStoreError
-from ..losses import (OPTION_HELP, STATE_LAYOUTS, create_loss, get_loss_spec, list_losses, loss_options,
-                      option_names, per_sample_tables)
+from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TEMPERATURE_OPTIMIZERS, create_loss, get_loss_spec,
+                      inactive_options, list_losses, loss_options, option_names, per_sample_tables)
 from .run import Run
 
 # Options whose default the run chooses (tile_size: from the batch sizes; state_layout 'auto': from the dataset size
@@ -16,6 +16,8 @@ from .run import Run
 CHOSEN_BY_THE_RUN = ('tile_size', 'state_layout')
 # OpenCLIP's flags that only its own ClipLoss (and losses built on it) reads: {option: flag}
 OPENCLIP_LOSS_FLAGS = {'local_loss': '--local-loss', 'gather_with_grad': '--gather-with-grad'}
+# The options that take one of a few words
+OPTION_CHOICES = {'state_layout': STATE_LAYOUTS, 'temperature_optimizer': TEMPERATURE_OPTIMIZERS}
 
 
 def flag(option: str) -> str:
@@ -109,11 +111,11 @@ def add_args(parser):
                             f"store does too). Losses: {', '.join(stateful)}.")
     for option, losses in sorted(user_options().items()):
         text = f"{OPTION_HELP[option]}. {_readers(option, losses)}"
-        kind = type(get_loss_spec(losses[0]).defaults[option])
+        kind = OPTION_TYPES.get(option, type(get_loss_spec(losses[0]).defaults[option]))
         if kind is bool:  # default None: tells 'not given' from the loss's own default
             group.add_argument(flag(option), action='store_true', default=None, help=text)
-        elif option == 'state_layout':
-            group.add_argument(flag(option), choices=STATE_LAYOUTS, default=None, help=text)
+        elif option in OPTION_CHOICES:
+            group.add_argument(flag(option), choices=OPTION_CHOICES[option], default=None, help=text)
         else:
             group.add_argument(flag(option), type=kind, default=None, metavar=option.upper(), help=text)
 
@@ -139,8 +141,10 @@ def check_args(args, parser) -> Run:
         parser.error(f"{', '.join(foreign)}: no such option for --loss {args.loss} (its options: "
                      f"{', '.join(map(flag, own)) or 'none'})")
     options = loss_options(args.loss, **given)
-    if 'rho' in given and 'learn_temperature' in own and not options.learn_temperature:
-        parser.error(f"--rho only acts with --learn-temperature for --loss {args.loss} (a fixed τ has no ρ term)")
+    unread = inactive_options(args.loss, options)
+    for option in given:
+        if option in unread:
+            parser.error(f"{flag(option)} has no effect for --loss {args.loss} with these flags ({unread[option]})")
     reads_reference = needs_reference(spec, options)
     uses_reference = args.ref_features is not None or args.ref_model is not None
     if reads_reference and not uses_reference:

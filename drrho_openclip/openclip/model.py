@@ -5,8 +5,7 @@ import math
 
 import torch
 
-from ..losses import DEFAULT_TILE_SIZE, LogitScaleTemperature, attach_to_model, create_loss as build
-from ..losses import get_loss_spec
+from ..losses import AUTO, DEFAULT_TILE_SIZE, LogitScaleTemperature, attach_to_model, create_loss as build, get_loss_spec
 from .reference import OnlineReference
 from .run import Run
 
@@ -60,7 +59,7 @@ def configure_model(run: Run, model, args):
     if args.ref_model is not None:
         loss.reference_encoder = OnlineReference(args.model, args.ref_model, args.ref_pretrained, device)
     temperature = options.get('temperature')
-    if temperature is not None:
+    if temperature not in (None, AUTO):  # an 'auto' τ is chosen at the first batch, by the loss
         with torch.no_grad():
             model.logit_scale.fill_(math.log(1.0 / temperature))
     if not _uses_logit_scale(loss):
