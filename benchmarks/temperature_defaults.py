@@ -8,9 +8,9 @@ On the demo's drawn shapes (drrho_openclip/demo.py: data, tiny model, zero-shot 
 1. a *strong* reference: the tiny CLIP trained with CLIP's loss on a reference split 4x the target's, with 4x the
    target's steps; its features of the target split are the reference features (its evaluation transform);
 2. targets with the same compute (the same number of samples seen) at global batch 64 and 256, 3 seeds each:
-   `clip` (OpenCLIP's ClipLoss, τ learned as logit_scale by the optimiser), `drrho` with its default (τ 'auto': chosen
-   from the first batch, learned by the loss's own Adam; ρ from the batch), `drrho` at the paper's fixed τ = 0.01,
-   `drrho` at a fixed τ = 0.07, and `sogclr` with its default;
+   `clip` (OpenCLIP's ClipLoss, τ learned as logit_scale by the optimiser), `drrho` with its default (the paper's
+   fixed τ = 0.01), `drrho --temperature auto` (τ chosen from the first batch, learned by the loss's own Adam; ρ from
+   the batch), `drrho` at a fixed τ = 0.07 and learned from 0.07 (the loss's own Adam), and `sogclr`'s default;
 3. zero-shot top-1 and mean per-class recall on a test split (20 classes: colour x shape), mean ± std over seeds,
    and every learned τ's trajectory per step (from the loss's metrics; clip's from its logit_scale);
 4. lr_tau: the loss's Adam on log τ alone, on the features of the trained drrho model and the reference, for long
@@ -42,17 +42,18 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / 'results' / 'temperature_defaults'
 WORK = HERE / 'results' / 'tmp' / 'temperature_defaults'
 
-# name -> (loss, options); the defaults are the point, so only the fixed-τ runs give options
+# name -> (loss, options)
 CONFIGS = {
     'clip': ('clip', {}),
-    'drrho (default)': ('drrho', {}),
-    'drrho τ=0.01': ('drrho', dict(temperature=0.01)),
+    'drrho τ=0.01 (default)': ('drrho', {}),
+    'drrho τ auto': ('drrho', dict(temperature='auto')),
     'drrho τ=0.07': ('drrho', dict(temperature=0.07)),
+    'drrho τ=0.07 learned': ('drrho', dict(temperature=0.07, learn_temperature=True)),
     'sogclr (default)': ('sogclr', {}),
 }
 LR_TAU_GRID = (0.001, 0.003, 0.01, 0.03)
 PRESETS = {  # training pairs, samples seen per target, reference steps x, seeds, τ-alone steps
-    'full': dict(pairs=2048, seen=64 * 480, reference_factor=4, seeds=3, tau_steps=20000),
+    'full': dict(pairs=2048, seen=64 * 480, reference_factor=4, seeds=3, tau_steps=5000),
     'quick': dict(pairs=512, seen=64 * 40, reference_factor=2, seeds=1, tau_steps=1000),
 }
 LR, WARMUP = 5e-3, 10
