@@ -267,7 +267,7 @@ def main(argv=None):
             for seed in report['seeds']:
                 model, taus = train(model_name, splits['train'], loss_name, options, batch, steps, seed, reference)
                 results.append((*scores(model, tokenizer, splits['test']), taus))
-                if name == 'drrho (default)' and seed == 0:
+                if name == 'drrho τ=0.01 (default)' and seed == 0:
                     trained[batch] = features(model, splits['train'])
             report['runs'][batch][name] = dict(top1=mean_std([r[0] for r in results]),
                                                recall=mean_std([r[1] for r in results]),
