@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .precision import autocast_disabled, similarities
+from .precision import autocast_disabled, similarities, without_autocast
 
 
 def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
@@ -69,13 +69,8 @@ class _LogMeanExpRows(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad_out):
-        # backward may run inside the caller's autocast region: nothing here is to be autocast
-        with autocast_disabled(grad_out.device):
-            return _LogMeanExpRows._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
         logits, inv_tau, log_w, lse = ctx.saved_tensors
         need_sim, need_ref, need_tau = ctx.needs_input_grad[:3]
         lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]

@@ -26,6 +26,16 @@ def autocast_disabled(device: torch.device):
     return contextlib.nullcontext()
 
 
+def without_autocast(backward):
+    """Decorator of a hand-written autograd backward: it may run inside the caller's autocast region, and chooses
+    its dtypes itself."""
+    @functools.wraps(backward)
+    def wrapped(ctx, grad, *grads):
+        with autocast_disabled(grad.device):
+            return backward(ctx, grad, *grads)
+    return wrapped
+
+
 def elementwise_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the elementwise work over products of `dtype` features."""
     return torch.promote_types(dtype, torch.float32)
@@ -64,12 +74,12 @@ class _Similarities(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad):
         anchors, candidates = ctx.saved_tensors
-        with autocast_disabled(anchors.device):
-            grad = grad.to(anchors.dtype)
-            grad_anchors = product(grad, candidates).to(anchors.dtype) if ctx.needs_input_grad[0] else None
-            grad_candidates = product(grad.T, anchors).to(candidates.dtype) if ctx.needs_input_grad[1] else None
+        grad = grad.to(anchors.dtype)
+        grad_anchors = product(grad, candidates).to(anchors.dtype) if ctx.needs_input_grad[0] else None
+        grad_candidates = product(grad.T, anchors).to(candidates.dtype) if ctx.needs_input_grad[1] else None
         return grad_anchors, grad_candidates
 
 

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .precision import autocast_disabled, elementwise_dtype, product
+from .precision import autocast_disabled, elementwise_dtype, product, without_autocast
 
 __all__ = [
     'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_aggregate', 'negative_weight_entropy', 'tiled_aggregate',
@@ -158,13 +158,8 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad_out):
-        # backward may run inside the caller's autocast region: nothing here is to be autocast
-        with autocast_disabled(grad_out.device):
-            return _TiledLogMeanExpRows._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
         anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse = ctx.saved_tensors
         offset, tile_size, log_weight = ctx.offset, ctx.tile_size, ctx.log_weight
         need_a, need_c, need_tau, need_ra, need_rc = ctx.needs_input_grad[:5]
