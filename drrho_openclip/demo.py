@@ -45,7 +45,7 @@ TINY_MODEL = {
 
 # one line of open_clip_train's log per logged step: "Train Epoch: 3 [ 512/2048 (25%)] ... Loss: 2.1 (2.3)"
 TRAIN_LOG_LINE = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/\d+ .*? Loss: ([-+\d.eE]+)')
-PRECOMPUTE_PROGRESS = re.compile(r': (\d+)sample ')  # precompute's tqdm bar: "part 0/1: 256sample [00:01, ..."
+PRECOMPUTE_PROGRESS = re.compile(r'\| (\d+)/\d+ \[')  # precompute's tqdm bar: "part 0/1:  12%|█ | 256/2048 [00:01..."
 
 
 def zero_shot_classes():

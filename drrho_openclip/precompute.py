@@ -221,9 +221,8 @@ class _ShardKeys(torch.utils.data.IterableDataset):
             yield name, [key for key, _, _ in _shard_samples(url, decode=False)]
 
 
-def _csv_batches(args, preprocess, tokenizer):
-    """The same stream as _ShardBatches for the one shard of a CSV file."""
-    df = _read_csv(args)
+def _csv_batches(args, df, preprocess, tokenizer):
+    """The same stream as _ShardBatches for the one shard of a CSV file (its rows `df`)."""
     dataset = _CsvImages(df[args.csv_img_key].tolist(), df[args.csv_caption_key].tolist(), preprocess, tokenizer)
     name, start = shard_name(args.train_data), 0
     for images, texts in torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers):
@@ -245,13 +244,16 @@ def _compute(args, shards, writer):
     import open_clip
     model, preprocess = create_model(args.model, args.pretrained, args.device)
     tokenizer = open_clip.get_tokenizer(args.model)
+    total = None  # samples to encode, where known without reading the data: a CSV's rows (an ETA)
     if args.dataset_type == 'csv':
-        batches = _csv_batches(args, preprocess, tokenizer)
+        df = _read_csv(args)
+        batches, total = _csv_batches(args, df, preprocess, tokenizer), len(df)
     else:
         batches = torch.utils.data.DataLoader(_ShardBatches(shards, preprocess, tokenizer, args.batch_size),
                                               batch_size=None, num_workers=args.workers)
     encoded = {}  # shard name -> its (keys, image features, text features) batches so far
-    progress = tqdm(unit='sample', desc=f'part {args.part}/{args.num_parts}', dynamic_ncols=True)  # shows samples/s
+    progress = tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
+                    dynamic_ncols=True)
     samples, start = 0, time.perf_counter()
     for name, keys, images, texts in batches:
         if keys is not None:
