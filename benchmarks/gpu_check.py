@@ -58,7 +58,7 @@ def _run(name, cmd, log: Path, env=None):
 
 
 def _train(model, csv, logs, name, device, precision, epochs, extra=()):
-    return [sys.executable, '-m', 'open_clip_train.main', '--', '--train-data', csv, '--dataset-type', 'csv',
+    return [sys.executable, '-m', 'open_clip_train.main', '--train-data', csv, '--dataset-type', 'csv',
             '--csv-separator', '\t', '--csv-img-key', 'filepath', '--csv-caption-key', 'title', '--model', model,
             '--batch-size', 32, '--epochs', epochs, '--lr', 1e-3, '--warmup', 2, '--workers', 1, '--seed', 0,
             '--precision', precision, '--device', device, '--logs', logs, '--name', name, '--save-frequency', 1,
@@ -134,10 +134,12 @@ def _batch(step, device):
 
 def _steps(case, rank, world_size, device):
     """Per step: the loss value and the gradients of this rank's features; then the whole per-sample state."""
-    from drrho_openclip.losses import create_loss, per_sample_tables
+    from drrho_openclip.losses import create_loss, get_loss_spec, per_sample_tables
     loss_name, options = TWO_RANK_CASES[case]
+    run = {k: v for k, v in dict(num_samples=NUM_SAMPLES, rank=rank, world_size=world_size).items()
+           if k in get_loss_spec(loss_name).run_options}
     torch.manual_seed(0)
-    loss = create_loss(loss_name, num_samples=NUM_SAMPLES, rank=rank, world_size=world_size, **options).to(device)
+    loss = create_loss(loss_name, **run, **options).to(device)
     logit_scale = torch.tensor(1 / 0.07, device=device).log().exp().requires_grad_()
     rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH) if world_size > 1 else slice(None)
     out = []
