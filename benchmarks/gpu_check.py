@@ -210,7 +210,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this check is for a GPU machine (try it on the CPU with --device cpu)")
-    device_name = torch.cuda.get_device_name() if args.device == 'cuda' else f'CPU ({platform.processor() or platform.machine()})'
+    cpu = platform.processor() or platform.machine()
+    device_name = torch.cuda.get_device_name() if args.device == 'cuda' else f'CPU ({cpu})'
     work = Path(args.workdir or tempfile.mkdtemp(prefix='gpu_check_'))
     logs = work / 'case_logs'
     logs.mkdir(parents=True, exist_ok=True)
