@@ -275,7 +275,8 @@ def summarize(loss_times, loss_memory, training):
 def markdown(report) -> str:
     s, c = report['summary'], report['config']
     lines = [f"# Overheads vs OpenCLIP ({c['device_name']})", '',
-             f"{report['machine']}. d = {c['dim']}, world size 1, {'bf16 autocast' if c['cuda'] and c.get('precision') == 'bf16' else 'float32'}. "
+             f"{report['machine']}. d = {c['dim']}, world size 1, "
+             f"{'bf16 autocast' if c['cuda'] and c.get('precision') == 'bf16' else 'float32'}. "
              f"Loss: median of {c['repeats']} interleaved rounds; ratio = per-round time / ClipLoss's time in the "
              f"same round, median [min–max]. Memory: {report['loss_memory_method']}, each configuration in a "
              f"fresh process.", '',
@@ -388,7 +389,8 @@ def main(argv=None):
 
     summary = summarize(loss_times, loss_memory, training)
     report = dict(
-        config=dict(device=args.device, cuda=cuda, precision=args.precision if cuda else 'fp32', dim=dim, sizes=sizes, repeats=repeats, memory_sizes=memory_sizes,
+        config=dict(device=args.device, cuda=cuda, precision=args.precision if cuda else 'fp32', dim=dim, sizes=sizes,
+                    repeats=repeats, memory_sizes=memory_sizes,
                     device_name=torch.cuda.get_device_name() if cuda else
                     f"CPU, {platform.processor() or platform.machine()}"),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
