@@ -127,7 +127,7 @@ def time_worker(rank, world_size, store, out, num_samples, batch, steps, warmup,
 
         def iso(step, isogclr=isogclr):
             index = index_of(step)
-            tau_image, tau_text = isogclr.temperature(index=index)
+            tau_image, tau_text = isogclr.temperature(index=index, image_features=feats[0])
             isogclr.state.update(index, log_g, log_g)
             isogclr.temperature.step((tau_image * log_g + tau_text * log_g))
 
