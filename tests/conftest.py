@@ -82,6 +82,25 @@ def run_openclip(args, nproc=1, cwd=None, check=True):
     return result
 
 
+def _gloo_rank(rank, world_size, compute, out_dir):
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group('gloo', init_method=f"file://{Path(out_dir) / 'store'}", rank=rank,
+                            world_size=world_size)
+    torch.set_num_threads(1)
+    torch.save(compute(rank, world_size), Path(out_dir) / f'rank{rank}.pt')
+    dist.destroy_process_group()
+
+
+def on_gloo_ranks(compute, world_size, out_dir):
+    """[compute(rank, world_size) for each rank], each run in its own process of a gloo group of `world_size`;
+    `compute` is a module-level function (the processes are spawned)."""
+    import torch
+    import torch.multiprocessing as mp
+    mp.spawn(_gloo_rank, args=(world_size, compute, str(out_dir)), nprocs=world_size, join=True)
+    return [torch.load(Path(out_dir) / f'rank{rank}.pt') for rank in range(world_size)]
+
+
 def checkpoint(logs, name, epoch):
     import torch
     return torch.load(Path(logs) / name / 'checkpoints' / f'epoch_{epoch}.pt', map_location='cpu')

@@ -1,14 +1,12 @@
 """The torch-only CLIP and MobileCLIP losses equal OpenCLIP's `ClipLoss` and `DistillClipLoss`: values and
 gradients, in one process and in two gloo processes, for every combination of --local-loss / --gather-with-grad."""
 import itertools
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from conftest import on_gloo_ranks
 from drrho_openclip.losses.clip import ClipLoss
 from drrho_openclip.losses.mobileclip import MobileClipLoss
 
@@ -61,18 +59,9 @@ def results(rank, world_size):
     return out
 
 
-def worker(rank, world_size, store, out_dir):
-    dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
-    torch.save(results(rank, world_size), os.path.join(out_dir, f'rank{rank}.pt'))
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope='module')
 def two_ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp('clip_ranks')
-    mp.spawn(worker, args=(WORLD, str(out_dir / 'store'), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f'rank{r}.pt') for r in range(WORLD)]
+    return on_gloo_ranks(results, WORLD, tmp_path_factory.mktemp('clip_ranks'))
 
 
 def assert_same(got, want):

@@ -1,14 +1,13 @@
 """Two gloo processes with half the batch each equal one process with the whole batch: loss values, gradients
 (features: the sum over ranks, as all_gather's backward gives it; logit_scale and TempNet: the mean, as DDP gives
 it), and the replicated per-sample tables. JEST's draws are per rank, conditioned on the global selection."""
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from conftest import on_gloo_ranks
 from drrho_openclip.losses import create_loss, get_loss_spec
 
 WORLD, B = 2, 6  # per-rank batch
@@ -84,19 +83,13 @@ def run(scenario, rank, world_size):
     return steps, {k: v.clone() for k, v in loss.state_dict().items()}
 
 
-def worker(rank, world_size, store, out_dir):
-    dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
-    results = {scenario: run(scenario, rank, world_size) for scenario in SCENARIOS}
-    torch.save(results, os.path.join(out_dir, f'rank{rank}.pt'))
-    dist.destroy_process_group()
+def every_scenario(rank, world_size):
+    return {scenario: run(scenario, rank, world_size) for scenario in SCENARIOS}
 
 
 @pytest.fixture(scope='module')
 def distributed(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp('ranks')
-    mp.spawn(worker, args=(WORLD, str(out_dir / 'store'), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f'rank{r}.pt') for r in range(WORLD)]
+    return on_gloo_ranks(every_scenario, WORLD, tmp_path_factory.mktemp('ranks'))
 
 
 @pytest.mark.parametrize('scenario', [s for s in SCENARIOS if not s.startswith('jest')])  # JEST: below

@@ -5,6 +5,7 @@ checkpoints; a shard set written by W ranks is read back by any other number of 
 Loss level (2 gloo processes): sharded = replicated = one process over several steps; the blocks' sizes; a set
 saved by 2 ranks read by 1 and 3 ranks, and by either layout. End to end through OpenCLIP: 2-rank sharded
 training, a killed run resumed exactly, a 2-rank checkpoint resumed with 1 rank, a missing shard named."""
+import functools
 import os
 import signal
 import subprocess
@@ -14,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import run_openclip, train_args
+from conftest import on_gloo_ranks, run_openclip, train_args
 from drrho_openclip.losses import create_loss
 from drrho_openclip.losses.state import AUTO_SHARD_FROM_SAMPLES, per_sample_tables
 from drrho_openclip.losses.state import load_state_shards, save_state_shards, shard_file_name
@@ -76,11 +76,9 @@ def first_steps(scenario):
     return list(enumerate(SCENARIOS[scenario][2]))
 
 
-def worker(rank, world_size, store, out_dir):
+def train_both_layouts(rank, world_size, out_dir):
     """Train with both layouts; save the sharded loss's shard set, and the replicated loss's whole state_dict."""
-    dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
-    out_dir, results = Path(out_dir), {}
+    results = {}
     for scenario in SCENARIOS:
         for layout in ('replicated', 'sharded'):
             loss = build(scenario, rank, world_size, layout)
@@ -91,16 +89,14 @@ def worker(rank, world_size, store, out_dir):
                 results[scenario, 'manifest'] = save_state_shards(loss, out_dir / f'{scenario}.loss_state')
             elif rank == 0:
                 torch.save(loss.state_dict(), out_dir / f'{scenario}.replicated.pt')
-    torch.save(results, out_dir / f'rank{rank}.pt')
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory):
     """What each of 2 gloo ranks computed and saved."""
     out_dir = tmp_path_factory.mktemp('sharded')
-    mp.spawn(worker, args=(2, str(out_dir / 'store'), str(out_dir)), nprocs=2, join=True)
-    return {2: [torch.load(out_dir / f'rank{r}.pt') for r in range(2)], 'dir': out_dir}
+    return {2: on_gloo_ranks(functools.partial(train_both_layouts, out_dir=out_dir), 2, out_dir), 'dir': out_dir}
 
 
 def concatenated(per_rank, scenario, source):
