@@ -36,12 +36,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from .data import input_kind
-from .features import (DTYPES, LOCK, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, shard_files,
-                       shard_name)
+from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
+                       FeatureStoreWriter, shard_files, shard_name)
 from .openclip.reference import create_model
 
 IMAGE_EXTENSIONS = ('jpg', 'png', 'jpeg', 'webp')  # those OpenCLIP's WebDataset pipeline reads, in its order
-UNIT_NORM_TOLERANCE = 0.02  # float16 and int8 rounding move a norm by < 1e-2
 
 
 def _env_part():
