@@ -120,7 +120,7 @@ def train(model_name, split, loss_name, options, batch_size, steps, seed, refere
                 group['lr'] = learning_rate(step, steps)
             out = model(split.images[index], split.texts[index])
             extras = {} if loss_name == 'clip' else dict(index=index)
-            if reference is not None and loss_name == 'drrho':
+            if reference is not None and (loss_name == 'drrho' or options.get('distill_weight')):
                 extras.update(ref_image_features=reference[0][index], ref_text_features=reference[1][index])
             losses = loss(out['image_features'], out['text_features'], out['logit_scale'], **extras, output_dict=True)
             opt.zero_grad()

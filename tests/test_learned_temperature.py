@@ -152,8 +152,8 @@ def test_state_round_trips_and_resumes_bit_exactly():
 @pytest.mark.parametrize('name, options, message', [
     ('sogclr', dict(temperature='auto'), 'does not shift by'),
     ('drrho', dict(temperature='auto', temperature_optimizer='model'), 'give the initial τ'),
-    ('drrho', dict(temperature=0.01, rho=3.0), 'rho has no effect here'),
-    ('drrho', dict(temperature=0.01, lr_tau=0.1), 'lr_tau has no effect here'),
+    ('drrho', dict(temperature=0.01, learn_temperature=False, rho=3.0), 'rho has no effect here'),
+    ('drrho', dict(temperature=0.01, learn_temperature=False, lr_tau=0.1), 'lr_tau has no effect here'),
     ('drrho', dict(temperature=0.05, learn_temperature=True, target_negatives=4.0, rho=2.0),
      'target_negatives has no effect here'),
     ('drrho', dict(temperature=0.05, learn_temperature=True, temperature_optimizer='model', tau_min=0.02),
@@ -170,10 +170,14 @@ def test_bad_temperature_options_raise(name, options, message):
         create_loss(name, num_samples=8, **options)
 
 
-def test_drrho_keeps_the_papers_fixed_tau_and_auto_is_one_option_away():
+def test_drrho_learns_tau_from_0_07_and_the_papers_fixed_tau_is_one_switch_away():
     spec = get_loss_spec('drrho')
-    assert spec.defaults['temperature'] == 0.01 and spec.defaults['rho'] == 'auto'
-    paper = create_loss('drrho', num_samples=4)  # the paper's fixed τ
+    assert spec.defaults['temperature'] == 0.07 and spec.defaults['learn_temperature']
+    assert spec.defaults['rho'] == 'auto'
+    default = create_loss('drrho', num_samples=4)  # the paper's App. C.3: learned from 0.07, with ρ (from the batch)
+    assert type(default.temperature).__name__ == 'LearnedTemperature' and default.rho is None
+    assert default.temperature.log_tau.exp().item() == pytest.approx(0.07)
+    paper = create_loss('drrho', num_samples=4, learn_temperature=False, temperature=0.01)  # its main fixed τ
     assert type(paper.temperature).__name__ == 'FixedTemperature' and paper.rho == 0.0
     auto = create_loss('drrho', num_samples=4, temperature='auto')
     assert type(auto.temperature).__name__ == 'LearnedTemperature'

@@ -15,7 +15,9 @@ NUM_SAMPLES = 20
 
 # (loss, options, epochs of the steps)
 SCENARIOS = {
-    'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05), (0, 1)),
+    'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, learn_temperature=False), (0, 1)),
+    # the default: τ learned from 0.07 by the loss's Adam, ρ from the batch
+    'drrho-default': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     'drrho-learnable': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, learn_temperature=True, rho=1.0,
                                       temperature=0.07, temperature_optimizer='model'), (0, 1)),
     # τ chosen from the gathered batch's reference margins, learned by the loss's Adam with the all-reduced gradient
@@ -23,7 +25,8 @@ SCENARIOS = {
     'drrho-auto-tiled': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
     'fastclip': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     'sogclr': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1), (0, 1)),
-    'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, tile_size=5), (0, 1)),
+    'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, learn_temperature=False,
+                                  tile_size=5), (0, 1)),
     'isogclr-tiled': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01, tile_size=4), (0, 1, 1)),
     'drrho+kd': ('drrho', dict(gamma=1.0, temperature=0.05, distill_weight=0.3), (0,)),
     'fastclip+kd': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, distill_weight=0.3, rho=8.5,
@@ -34,7 +37,8 @@ SCENARIOS = {
     'adnce': ('adnce', dict(adnce_sigma=0.3), (0,)),
     'balanced2': ('balanced', dict(balance_steps=2), (0,)),
     'balanced3': ('balanced', dict(balance_steps=3, reference_shift=True), (0,)),
-    'clip+kd': ('clip', dict(distill_weight=0.4), (0,)),
+    # the teacher's scale calibrated on the gathered first batch ('auto'), then kept
+    'clip+kd': ('clip', dict(distill_weight=0.4), (0, 0)),
     'jest': ('jest', dict(selection_ratio=0.5, num_chunks=3), (0,)),
     'jest-topk': ('jest-topk', dict(selection_ratio=0.5, num_chunks=2), (0,)),
 }

@@ -84,7 +84,9 @@ def test_sogclr_estimator_over_steps(name):
     """u over several steps with γ < 1 (epoch 0 has γ = 1), the value τ·log(ε + u) per anchor and direction,
     and the gradient E_i Σ_j w_ij ∇ℓ̂_ij / (n−1) over both directions (= Eq. 11's τ/(ε+u_i) ∇ E_j exp(ℓ̂_ij/τ))."""
     num_samples, n, tau, eps, gamma = 14, 5, 0.05, 1e-3, 0.6
-    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma, gamma_decay_epochs=1)
+    fixed = dict(learn_temperature=False) if name == 'drrho' else {}  # drrho learns its τ unless told not to
+    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma, gamma_decay_epochs=1,
+                       **fixed)
     u_image = torch.full((num_samples,), float('nan'), **F64)
     u_text = u_image.clone()
     g = torch.Generator().manual_seed(1)
@@ -203,6 +205,47 @@ def test_mobileclip_distillation():
     assert_close(grads(sum(out.values()), wrt), grads(want_c + want_d, wrt))
 
 
+def test_auto_teacher_scale_minimises_the_references_own_clip_loss():
+    """'auto': the t in [1, 100] minimising the reference's CLIP loss on the first batch (a float64 grid search
+    here); then kept, saved and restored; and KD with it equals KD given that number."""
+    from drrho_openclip.losses.distill import calibrated_logit_scale
+    g = torch.Generator().manual_seed(5)
+    n = 40
+    for noise, expected in ((0.3, None), (0.0, 100.0), (None, 1.0)):
+        ref_image = unit(g, n, 8)
+        ref_text = ref_image if noise == 0.0 else F.normalize(
+            (ref_image if noise else unit(g, n, 8)) + (noise or 0) * torch.randn(n, 8, generator=g, **F64), dim=1)
+        if noise == 0.0:  # a perfect reference: orthogonal rows, every positive far above its negatives
+            ref_image = ref_text = torch.eye(n, **F64)
+        got = calibrated_logit_scale(ref_image, ref_text).item()
+        if expected is None:  # in between: the minimum of the convex loss
+            grid = torch.logspace(0, 2, 20001, **F64)
+            best = grid[torch.stack([clip_reference(ref_image, ref_text, t) for t in grid]).argmin()].item()
+            assert 1 < got < 100 and got == pytest.approx(best, rel=1e-3)
+        else:  # the reference's positives always win (the upper bound), or it is no better than chance
+            assert got == pytest.approx(expected, rel=1e-6)
+
+    image, text, ref_image, ref_text = batch(g, 7)
+    logit_scale = torch.tensor(14.0, **F64)
+    auto = create_loss('clip', distill_weight=0.5)
+    call = lambda loss: loss(image, text, logit_scale, ref_image_features=ref_image,  # noqa: E731
+                             ref_text_features=ref_text, output_dict=True)
+    first = call(auto)
+    chosen = auto.teacher_logit_scale.value.item()
+    assert chosen == pytest.approx(calibrated_logit_scale(ref_image, ref_text).item())
+    given = create_loss('clip', distill_weight=0.5, reference_logit_scale=chosen)
+    for key, value in call(given).items():
+        assert_close(first[key], value)
+    other = batch(g, 7)
+    auto(other[0], other[1], logit_scale, ref_image_features=other[2], ref_text_features=other[3])
+    assert auto.teacher_logit_scale.value.item() == chosen  # kept: not chosen again from a later batch
+    resumed = create_loss('clip', distill_weight=0.5)
+    resumed.load_state_dict(auto.state_dict())
+    resumed(other[0], other[1], logit_scale, ref_image_features=other[2], ref_text_features=other[3])
+    assert resumed.teacher_logit_scale.value.item() == chosen
+    assert 'teacher_logit_scale.value' not in given.state_dict()  # a given number is configuration, not state
+
+
 @pytest.mark.parametrize('name', ['fastclip', 'drrho'])
 def test_dro_distillation(name):
     """fastclip / drrho with λ: (1−λ)·(their DRO loss) + λ·τ·KD with the student at logit scale 1/τ; fastclip's
@@ -214,7 +257,8 @@ def test_dro_distillation(name):
     logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
     options = dict(gamma=1.0, epsilon=eps, distill_weight=lam, reference_logit_scale=teacher)
     # the paper's settings: fastclip's τ the model's logit_scale with ρ 8.5, drrho's τ fixed at 0.01
-    options.update(dict(temperature_optimizer='model', rho=8.5) if learn else dict(temperature=0.01))
+    options.update(dict(temperature_optimizer='model', rho=8.5) if learn else dict(temperature=0.01,
+                                                                                   learn_temperature=False))
     out = create_loss(name, **options)(image, text, logit_scale, ref_image_features=ref_image,
                                        ref_text_features=ref_text, output_dict=True)
 

@@ -46,7 +46,10 @@ def test_loss_flag_is_the_plugin_flag_not_an_abbreviation():
     from open_clip_train.params import parse_args
     args = parse_args(['--loss', 'drrho', '--ref-model', 'RN50'])
     assert args.loss == 'drrho' and args.loss_dist_impl is None
-    assert args.temperature == 0.01 and args.epsilon == 1e-4  # the paper's defaults were filled in
+    # drrho's defaults were filled in: τ learned from 0.07 (the paper's App. C.3) and its ε
+    assert args.temperature == 0.07 and args.learn_temperature is True and args.epsilon == 1e-4
+    args = parse_args(['--loss', 'drrho', '--ref-model', 'RN50', '--no-learn-temperature', '--temperature', '0.01'])
+    assert args.learn_temperature is False and args.temperature == 0.01  # the paper's main setting
 
 
 def test_help_documents_every_plugin_flag():
@@ -85,7 +88,7 @@ def test_help_names_the_losses_that_read_each_flag_with_their_defaults():
     lines = {}  # flag -> its entry, the flag and its help (on the next line where the flag is long)
     for line in group.splitlines():
         if line.startswith('  --'):
-            flag = line.split()[0]
+            flag = line.split()[0].rstrip(',')  # '--x, --no-x' of a switch
             lines[flag] = line
         elif line.startswith(' ' * 5) and lines:
             lines[flag] += ' ' + line.strip()

@@ -25,7 +25,7 @@ from torch import nn
 from .base import ReferenceFeatures
 from .collectives import gather_batch
 from .dense import dense_aggregate
-from .distill import distillation_loss
+from .distill import TeacherLogitScale, distillation_loss
 from .precision import HALF_DTYPES, at_least_float32, autocast_disabled, elementwise_dtype
 from .state import MovingAverageState, SampleSharding, per_sample_tables
 from .temperatures import rho_for_batch
@@ -64,7 +64,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     the B − 1 candidates, so τ log(1/(B−1) + g_i) = τ [log(1 + Σ_{j≠i} exp(ℓ̂_ij/τ)) − log(B−1)], CLIP's
     softmax cross-entropy up to the factor τ and a constant.
     With `distill_weight` λ > 0 (a global τ only), the result is {'contrastive_loss': (1−λ) L,
-    'distill_loss': λ τ KD} with KD the MobileCLIP distillation term (`distill.py`) at the student's logit scale 1/τ;
+    'distill_loss': λ τ KD} with KD the MobileCLIP distillation term (`distill.py`) at the student's logit scale 1/τ
+    and the teacher's `teacher_logit_scale` (a number, or 'auto': calibrated on the first batch);
     the factor τ (detached) puts KD in the units of the τ-scaled DRO loss, as CLIP's cross-entropy is in KD's.
 
     A temperature source may learn outside the model's optimiser (per-sample τ): it then has a method
@@ -85,7 +86,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             aggregate: Callable = dense_aggregate,
             positive_in_denominator: bool = False,
             distill_weight: float = 0.0,
-            teacher_logit_scale: float = 100.0,
+            teacher_logit_scale='auto',
     ):
         super().__init__()
         if positive_in_denominator != (epsilon is None):
@@ -108,7 +109,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.aggregate = aggregate
         self.positive_in_denominator = positive_in_denominator
         self.distill_weight = distill_weight
-        self.teacher_logit_scale = teacher_logit_scale
+        self.teacher_logit_scale = None
+        if distill_weight > 0:
+            self.teacher_logit_scale = TeacherLogitScale(teacher_logit_scale, world_size)
         self._window = None  # (accumulation window's index, its log u) while --accum-freq replays a window
         self._window_tau = None  # the window's temperatures, from its first call
         self._last = {}
@@ -215,13 +218,14 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                     raise ValueError("distillation needs a global temperature (its student logit scale is 1/τ)")
                 # KD's softmaxes over the logits s·S need float32 products too (s = 1/τ scales their rounding)
                 ref_image, ref_text, all_ref_image, all_ref_text = (at_least_float32(x) for x in reference)
+                teacher_scale = self.teacher_logit_scale(ref_image, ref_text)
                 kd = distillation_loss((at_least_float32(image), at_least_float32(text)),
                                        (at_least_float32(all_image), at_least_float32(all_text)),
                                        (ref_image, ref_text), (all_ref_image, all_ref_text),
-                                       1.0 / tau_image, self.teacher_logit_scale)
+                                       1.0 / tau_image, teacher_scale.to(ref_image.dtype))
                 losses = {'contrastive_loss': (1 - self.distill_weight) * loss,
                           'distill_loss': self.distill_weight * tau_image.detach() * kd}
-                self._last['distill'] = kd.detach()
+                self._last.update(distill=kd.detach(), teacher_logit_scale=teacher_scale)
         if output_dict:
             return losses
         return sum(losses.values())
@@ -278,6 +282,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             out['reference_margin'] = self.reference_margin().item()
         if 'distill' in last:
             out['distill'] = last['distill'].item()
+            out['teacher_logit_scale'] = last['teacher_logit_scale'].item()
         if self.state is not None:
             out['gamma'] = self.state.gamma
             out['state_coverage'] = self.state.coverage()

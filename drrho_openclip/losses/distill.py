@@ -7,9 +7,27 @@ Normalisation: Eq. 16 prints 1/|B|² in front of each direction's double sum and
 values come from the official code, which (like MobileCLIP's and OpenCLIP's DistillClipLoss) averages over the
 anchors (1/|B|) and over the two directions (½), so KD is on the scale of CLIP's loss in Eq. 12; we do the same.
 
+The teacher's logit scale t: a number (a CLIP reference's own, e.g. 100), or 'auto' (`TeacherLogitScale`): the t at
+which the reference's own in-batch predictions are calibrated on the training data (`calibrated_logit_scale`). A
+teacher's softmax is only as good as its scale: precomputed or imported features carry none, and a reference that is
+right on 60 % of its batches but given CLIP's 100 asserts every answer with near certainty, so KD then teaches its
+mistakes as hard labels. A CLIP model's learned logit_scale minimises this same in-batch loss on its own training
+batches, so on web-scale data at a large batch 'auto' lands near that model's own scale.
+
 Pure torch: anchors are this rank's rows, candidates the global batch, as in the DRO core.
 """
+import math
+
 import torch
+from torch import nn
+
+from .collectives import check_device, gather_batch
+from .registry import AUTO
+
+# The range of an 'auto' teacher scale: CLIP's own bounds on its learned logit_scale (1 at τ = 1; 100, OpenCLIP's clamp)
+TEACHER_SCALE_RANGE = (1.0, 100.0)
+# As for an 'auto' τ: the first anchors of the global batch (the same on every rank) calibrate the teacher
+CALIBRATION_ANCHORS = 512
 
 
 def soft_cross_entropy(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
@@ -19,10 +37,67 @@ def soft_cross_entropy(teacher_logits: torch.Tensor, student_logits: torch.Tenso
 
 def distillation_loss(anchors, candidates, ref_anchors, ref_candidates, logit_scale, teacher_logit_scale):
     """KD of the local (image, text) anchors against the global (image, text) candidates, given as pairs; the
-    reference pairs likewise. `logit_scale` is the student's (gradient flows to it), `teacher_logit_scale` a number."""
+    reference pairs likewise. `logit_scale` is the student's (gradient flows to it), `teacher_logit_scale` a number or
+    a 0-dim tensor."""
     (image, text), (all_image, all_text) = anchors, candidates
     (ref_image, ref_text), (all_ref_image, all_ref_text) = ref_anchors, ref_candidates
     t, s = teacher_logit_scale, logit_scale
     image_to_text = soft_cross_entropy(t * ref_image @ all_ref_text.T, s * image @ all_text.T)
     text_to_image = soft_cross_entropy(t * ref_text @ all_ref_image.T, s * text @ all_image.T)
     return (image_to_text + text_to_image) / 2
+
+
+def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = CALIBRATION_ANCHORS,
+                           low: float = TEACHER_SCALE_RANGE[0], high: float = TEACHER_SCALE_RANGE[1],
+                           iterations: int = 40) -> torch.Tensor:
+    """The logit scale t in [low, high] that minimises the reference's own CLIP loss on this batch (its mean
+    cross-entropy of the positive over both directions), as a 0-dim float64 tensor, without a host synchronisation.
+
+    The loss is convex in t with derivative mean_i (E_{softmax(t·s_i·)}[s_ij] − s_ii), increasing in t: a bisection
+    in log t on its sign. `high` when even it leaves the positives under-predicted (the reference ranks them first
+    with room to spare), `low` when the reference is no better than chance."""
+    ref_image, ref_text = ref_image.double(), ref_text.double()
+    anchors = min(ref_image.shape[0], max_anchors)
+    rows = torch.cat([ref_image[:anchors] @ ref_text.T, ref_text[:anchors] @ ref_image.T])  # [2r, B]
+    positives = torch.cat([rows[:anchors].diagonal(), rows[anchors:].diagonal()])
+    low_log = torch.tensor(math.log(low), dtype=torch.float64, device=rows.device)
+    high_log = torch.tensor(math.log(high), dtype=torch.float64, device=rows.device)
+    for _ in range(iterations):
+        middle = (low_log + high_log) / 2
+        expected = (torch.softmax(middle.exp() * rows, dim=1) * rows).sum(1)
+        rising = (expected - positives).mean() > 0  # past the minimum: t is too large
+        low_log, high_log = torch.where(rising, low_log, middle), torch.where(rising, middle, high_log)
+    return ((low_log + high_log) / 2).exp()
+
+
+class TeacherLogitScale(nn.Module):
+    """The teacher's logit scale: a given number, or 'auto': `calibrated_logit_scale` of the first call's global
+    batch (every rank gathers the reference features once and computes the same t), kept from then on; a buffer, so
+    checkpoints and resume carry the choice and `loss.to(device)` moves it."""
+
+    def __init__(self, value, world_size: int = 1):
+        super().__init__()
+        self.world_size = world_size
+        if value != AUTO and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"reference_logit_scale must be > 0 or '{AUTO}', got {value!r}")
+        self.auto = value == AUTO
+        # only a chosen scale is the run's state; a given one is the configuration's (and older checkpoints of the
+        # losses that take one hold no entry for it)
+        self.register_buffer('value', torch.tensor(float('nan') if self.auto else float(value), dtype=torch.float64),
+                             persistent=self.auto)
+        self._chosen = not self.auto  # a host-side copy of "value is set": no device read per call
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._chosen = not torch.isnan(self.value).item()
+
+    def forward(self, ref_image: torch.Tensor, ref_text: torch.Tensor) -> torch.Tensor:
+        """t for this rank's reference features of the batch."""
+        device = ref_image.device
+        check_device(self.value, device, "the teacher's logit scale")
+        if not self._chosen:
+            with torch.no_grad():
+                self.value.copy_(calibrated_logit_scale(gather_batch(ref_image, self.world_size, False, device),
+                                                        gather_batch(ref_text, self.world_size, False, device)))
+            self._chosen = True
+        return self.value

@@ -44,8 +44,16 @@ ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'target_negatives', 'eps
 # MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
 DISTILL_OPTIONS = dict(
     distill_weight=0.0,           # λ: (1−λ)·contrastive + λ·KD; the paper's λ is 0 with the weak ViT-B/32 reference
-    reference_logit_scale=100.0,  # the teacher's (reference model's) logit scale in KD, and JEST's
+    # the teacher's (reference model's) logit scale in KD, and JEST's: calibrated on the first batch (distill.py),
+    # since precomputed features carry no scale and CLIP's 100 makes a weaker teacher's mistakes hard labels
+    reference_logit_scale=AUTO,
 )
+
+
+def _distill_inactive(o) -> dict:
+    if o.distill_weight:
+        return {}
+    return {'reference_logit_scale': "no distillation: give --distill-weight > 0"}
 
 
 def _learns_temperature(o) -> bool:
@@ -143,10 +151,11 @@ def _dro(o, use_reference, temperature=None, sharding=None, **core_options):
         temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives,
         state=_state(o, sharding), use_reference=use_reference,
         rank=o.rank, world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
-        teacher_logit_scale=getattr(o, 'reference_logit_scale', 100.0), **core_options)
+        teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), **core_options)
 
 
 @register_loss('clip', reference='optional', defaults=DISTILL_OPTIONS, run_options=CLIP,
+               inactive=_distill_inactive,
                help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged); with distill_weight > 0, "
                     "MobileCLIP: (1−λ) CLIP + λ KD from the reference model")
 def clip(o):
@@ -160,10 +169,12 @@ def clip(o):
     'drrho', reference='required', stateful=True, run_options=STATEFUL,
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
-    # the paper's fixed τ = 0.01 (tuned for batches of 5120) and ε; temperature 'auto' chooses τ from the first
-    # batch's reference margins and learns it, with ρ from the batch
-    defaults=dict(DRO_OPTIONS, temperature=0.01, epsilon=1e-4, **DISTILL_OPTIONS),
-    inactive=_global_temperature_inactive)
+    # τ learned from 0.07 with ρ (the paper's App. C.3, as FastCLIP-v3), ρ from the batch: the setting that beat the
+    # reference-free baseline with every reference in the paper's Table 2, and `clip` at batch 64 to 512 here (README
+    # "Temperature"); the paper's main fixed τ = 0.01, tuned for batches of 5120 and strong references, lost 5.8
+    # points to FastCLIP with a weak one. Its ε.
+    defaults=dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, **DISTILL_OPTIONS),
+    inactive=lambda o: {**_global_temperature_inactive(o), **_distill_inactive(o)})
 def drrho(o):
     return _dro(o, use_reference=True)
 
@@ -185,7 +196,7 @@ def sogclr(o):
     # Adam at lr_tau (as the official lr_tau parameter group learns logit_scale)
     defaults=dict(DRO_OPTIONS, learn_temperature=True, temperature=0.07, gamma=0.2, gamma_decay_epochs=16,
                   **DISTILL_OPTIONS),
-    inactive=_global_temperature_inactive)
+    inactive=lambda o: {**_global_temperature_inactive(o), **_distill_inactive(o)})
 def fastclip(o):
     if not o.learn_temperature:
         raise ValueError("fastclip learns τ; for a fixed τ use the loss sogclr")
@@ -247,7 +258,7 @@ def balanced(o):
                             world_size=o.world_size)
 
 
-JEST_OPTIONS = dict(selection_ratio=0.2, num_chunks=2, reference_logit_scale=100.0)
+JEST_OPTIONS = dict(selection_ratio=0.2, num_chunks=2, reference_logit_scale=AUTO)
 
 
 def _jest(o, topk):

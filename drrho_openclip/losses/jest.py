@@ -3,7 +3,8 @@
 From a super-batch, JEST keeps the fraction `selection_ratio` with the highest learnability (the learner's loss
 minus the reference model's), drawn in `num_chunks` chunks, each conditioned on the chunks drawn before, and trains
 with CLIP's loss on that sub-batch only. With L = s·S (learner, s its logit scale) and R = t·S^ref (reference at
-the fixed logit scale t), the learnability of candidate i given the selected set S is
+its logit scale t: given, or calibrated on the first batch as for distillation, `distill.TeacherLogitScale`), the
+learnability of candidate i given the selected set S is
 
     chunk 1:    d_i = R_ii − L_ii                                   (the loss of the positive pair alone)
     chunk ≥ 2:  d_i + ½ Σ_dir [log Σ_{j∈S} exp(L^dir_ij) − log Σ_{j∈S} exp(R^dir_ij)]
@@ -29,13 +30,14 @@ from torch import nn
 from .base import LastCallMetrics, ReferenceFeatures
 from .clip import ClipLoss
 from .collectives import gather_batch
+from .distill import TeacherLogitScale
 from .precision import at_least_float32
 
 
 class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     def __init__(self, selection_ratio: float = 0.2, num_chunks: int = 2, topk: bool = False,
-                 reference_logit_scale: float = 100.0, local_loss: bool = True, gather_with_grad: bool = True,
+                 reference_logit_scale='auto', local_loss: bool = True, gather_with_grad: bool = True,
                  rank: int = 0, world_size: int = 1):
         super().__init__()
         if not 0 < selection_ratio <= 1:
@@ -45,7 +47,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         self.selection_ratio = selection_ratio
         self.num_chunks = num_chunks
         self.topk = topk
-        self.reference_logit_scale = reference_logit_scale
+        self.reference_logit_scale = TeacherLogitScale(reference_logit_scale, world_size)
         self.world_size = world_size
         self.clip = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad, rank=rank,
                              world_size=world_size)
@@ -72,7 +74,8 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         """This rank's rows of the sub-batch (a [b · selection_ratio] index into its super-batch rows)."""
         features = [at_least_float32(f) for f in (image_features, text_features, ref_image_features, ref_text_features)]
         image, text, ref_image, ref_text = features
-        s, t = at_least_float32(torch.as_tensor(logit_scale)).detach(), self.reference_logit_scale
+        s = at_least_float32(torch.as_tensor(logit_scale)).detach()
+        t = self.reference_logit_scale(ref_image, ref_text).to(image.dtype)
         diagonal = t * (ref_image * ref_text).sum(1) - s * (image * text).sum(1)
         # log Σ_{j∈S} exp of: learner image→text, learner text→image, reference image→text, reference text→image
         lse = torch.full((4, image.shape[0]), float('-inf'), dtype=image.dtype, device=image.device)

@@ -32,7 +32,7 @@ def float_or_auto(text):
 
 
 # The parsers of the options that take more than their default's type
-OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto)
+OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto, reference_logit_scale=float_or_auto)
 # What learns a learned global τ: the loss's own Adam on log τ, or the model's logit_scale
 TEMPERATURE_OPTIMIZERS = ('loss', 'model')
 
@@ -52,7 +52,9 @@ OPTION_HELP = dict(
     gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample state)",
     gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma",
     distill_weight="λ of the distillation from the reference model: (1−λ)·contrastive + λ·KD",
-    reference_logit_scale="the reference model's logit scale (KD teacher, JEST scores)",
+    reference_logit_scale="the reference model's logit scale t (KD teacher, JEST scores); 'auto': the t at which the "
+                          "reference's own predictions on the first batch are calibrated (minimum of its CLIP loss "
+                          "there, in [1, 100]), which a CLIP reference's learned scale approximates on its own data",
     tau_min="lower bound of the learned τ",
     tau_max="upper bound of the learned τ",
     lr_tau="learning rate of the learned τ's own Adam (global τ: on log τ, which moves by at most about lr_tau per "

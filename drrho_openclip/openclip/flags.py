@@ -112,8 +112,8 @@ def add_args(parser):
     for option, losses in sorted(user_options().items()):
         text = f"{OPTION_HELP[option]}. {_readers(option, losses)}"
         kind = OPTION_TYPES.get(option, type(get_loss_spec(losses[0]).defaults[option]))
-        if kind is bool:  # default None: tells 'not given' from the loss's own default
-            group.add_argument(flag(option), action='store_true', default=None, help=text)
+        if kind is bool:  # --x / --no-x; default None: tells 'not given' from the loss's own default
+            group.add_argument(flag(option), action=argparse.BooleanOptionalAction, default=None, help=text)
         elif option in OPTION_CHOICES:
             group.add_argument(flag(option), choices=OPTION_CHOICES[option], default=None, help=text)
         else:
