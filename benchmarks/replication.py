@@ -2,6 +2,7 @@
 
     python benchmarks/replication.py --quick   # Fashion-MNIST, all losses, 3 seeds: about 4 min on 2 cores
     python benchmarks/replication.py           # 8x the training per run: 42 CPU-minutes (~25 min on 2 idle cores)
+    python benchmarks/replication.py --data openclipart --fractions 0.5 1 --output benchmarks/results/replication/X
     python benchmarks/replication.py --train-data my/train.csv --ref-data my/ref.csv --test-data my/test.csv \
         --classes my/classes.json [--csv-img-key filepath --csv-caption-key title --csv-label-key label]
 
@@ -10,17 +11,24 @@ What is run, all through OpenCLIP's own training (`open_clip_train.main` with th
 1. data: a reference split, a disjoint target training split and a labelled test split. Built in: Fashion-MNIST
    from the Debian package `dataset-fashion-mnist` (installed with apt-get when missing), captions made of class
    names, synonyms and short descriptions; if it cannot be had, the demo's drawn shapes (the run says which).
+   `--data openclipart`: Debian's `openclipart-png` clip art (an extracted copy given by --openclipart-dir or
+   $OPENCLIPART_PNG_DIR, else the installed /usr/share/openclipart/png, else fetched without root with apt-get
+   download + dpkg -x; no fallback), captions from the file and folder names, the category subfolders with ≥ 40
+   images as classes (see `prepare_openclipart`); `--ref-samples all` gives the reference every image the other
+   splits leave.
    Or any OpenCLIP CSV (or WebDataset: brace-expanded .tar shards, test labels in `cls`) plus a class file:
    JSON `{"classnames": [...], "templates": ["a photo of a {}.", ...]}`.
 2. a *weak* reference model trained with `--loss clip` on the reference split (the paper's DFN-9M-style setting:
    same kind of data, disjoint samples, less of it), and its features precomputed with
    `python -m drrho_openclip.precompute`;
 3. a target per registered loss (`list_losses()`; `--ref-features` for those whose spec requires a reference;
-   losses that accept an optional reference train without one), per data fraction (50%, 75%, 100% of the target
-   split: nested subsets) and per seed, all with the **same compute**: the same number of samples seen, the
-   epochs scaled by 1/fraction;
-4. zero-shot top-1 on the test split after every epoch (the curves) and at the end (the table), mean ± std over
-   seeds; the reference model's own accuracy;
+   losses that accept an optional reference train without one), per data fraction (`--fractions`, default 50%,
+   75%, 100% of the target split: nested subsets; 1 must be among them, and --epochs / fraction must be whole for
+   each, e.g. a multiple of 3 with 0.75) and per seed, all with the **same compute**: the same number of samples
+   seen, the epochs scaled by 1/fraction;
+4. zero-shot top-1 on the test split after every epoch (the curves) and at the end (the table), and image↔text
+   retrieval over the test split's image-caption pairs at the end (R@1, R@5 both ways, and their mean, "mean
+   recall"), mean ± std over seeds; the same for the reference model;
 5. the paper's variance check at each trained 100% model: over the target's training pairs z, Var ℓ(θ, z) and
    Var [ℓ(θ, z) − ℓ(θ_ref, z)], where ℓ is the per-sample mini-batch CLIP loss (image→text and text→image
    cross-entropy of consecutive batches of the training batch size) at one common temperature for both models, so
@@ -32,10 +40,11 @@ kernel (the same update; the default per-parameter loop over the 3.2M-entry toke
 tiny model's step). The quick mode is a pipeline check: 48 steps per target leave the accuracies near 20% with a
 spread of several points over seeds. Outputs, in `benchmarks/results/replication/` (suffix `_quick` for
 --quick): `replication.md` (tables), `replication.json` (every curve), `accuracy_vs_samples.png`,
-`scaling_input.csv` (input for benchmarks/scaling_law.py). Data, logs and checkpoints go to
-`benchmarks/results/tmp/replication/` (checkpoints are deleted once evaluated). The terminal shows a line per stage
-and a progress bar over the target runs (a run that fails is named there); each run's OpenCLIP output is in
-`<workdir>/logs/<run>.console.txt`.
+`scaling_input.csv` (input for benchmarks/scaling_law.py); `--output` puts them elsewhere, so that runs go side by
+side (one folder per dataset and batch size, say). Data, logs and checkpoints go to
+`benchmarks/results/tmp/replication/` (`by-output/<output>/` under it for another --output; checkpoints are deleted
+once evaluated). The terminal shows a line per stage and a progress bar over the target runs (a run that fails is
+named there); each run's OpenCLIP output is in `<workdir>/logs/<run>.console.txt`.
 """
 import argparse
 import concurrent.futures
@@ -43,6 +52,7 @@ import csv
 import gzip
 import json
 import logging
+import math
 import multiprocessing
 import os
 import platform
@@ -55,6 +65,7 @@ import sys
 import tarfile
 import time
 import traceback
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +75,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / 'results' / 'replication'
 FRACTIONS = (0.5, 0.75, 1.0)
 
-# Sizes per mode. `epochs` is for 100% of the target split (50% runs twice as many): a multiple of 3, and
-# `train` a multiple of 4 × batch, so that every fraction sees exactly epochs × train samples in whole batches.
+# Sizes per mode. `epochs` is for 100% of the target split (50% runs twice as many): a multiple of 3 for the default
+# fractions (0.75 runs 4/3 as many), and `train` is cut to a multiple of 4 × batch (the fractions' common denominator),
+# so that every fraction sees exactly epochs × train samples in whole batches.
 # The reference sees as many samples as each target: `ref` × `ref_epochs` = `train` × `epochs`.
 PRESETS = {
     'quick': dict(ref=512, train=512, test=1000, batch_size=32, epochs=3, ref_epochs=3, lr=5e-4, seeds=(0, 1, 2)),
@@ -90,6 +102,18 @@ FASHION_CLASSES = [
 FASHION_TEMPLATES = ('a photo of a {}.', 'a product photo of a {}.')
 CAPTION_TEMPLATES = ('a photo of a {name}', 'a {tone} {desc} {name}', '{desc} {name}',
                      'a product photo of a {tone} {name}')
+
+OPENCLIPART_DIR = Path('/usr/share/openclipart/png')  # Debian's openclipart-png
+OPENCLIPART_ENV = 'OPENCLIPART_PNG_DIR'  # or --openclipart-dir: an extracted copy of that folder
+CLIPART_MIN_CLASS_IMAGES = 40
+CLIPART_SIZE = 64  # the copies trained on; the model's preprocess resizes them
+CLIPART_MAX_PIXELS = 30_000_000  # larger images are left out
+CLIPART_TEST_SHARE, CLIPART_TEST_PER_CLASS = 0.15, 40
+# Not zero-shot classes (their images still train): icon themes and buttons are sorted by what an icon does in a
+# desktop, not by what it shows; gradients and patterns are textures; unsorted is unsorted.
+CLIPART_EXCLUDED = {'computer/icons', 'computer/buttons', 'buttons', 'special', 'unsorted'}
+CLIPART_FOLDER_WORDS = {'roadsigns': 'road signs', 'aiga-symbols': 'transport pictograms', 'led': 'led lights'}
+CLIPART_TEMPLATES = ('clip art of {}.', 'a drawing of {}.')
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -141,6 +165,7 @@ def prepare_fashion_mnist(root: Path, n_ref: int, n_train: int, n_test: int, see
     test_images, test_labels = _read_idx('t10k')
     order = np.random.default_rng(seed).permutation(len(images))
     rng = random.Random(seed)
+    n_ref = _rest(n_ref, len(images) - n_train)
     splits = {'ref': order[:n_ref], 'train': order[n_ref:n_ref + n_train]}
     # first n_test/10 test images of each class, so accuracy is not skewed by class frequencies
     splits['test'] = np.concatenate([np.flatnonzero(test_labels == c)[:n_test // 10] for c in range(10)])
@@ -162,6 +187,160 @@ def prepare_fashion_mnist(root: Path, n_ref: int, n_train: int, n_test: int, see
     return out
 
 
+def _rest(n, available):
+    """A split size: `n`, or everything available when `n` is None (--ref-samples all)."""
+    return available if n is None else n
+
+
+def ensure_openclipart(given=None, cache: Path = None):
+    """(the clip art's png/ folder, '') when it can be had, else (None, why not). Looked for in this order: `given`
+    (--openclipart-dir) or $OPENCLIPART_PNG_DIR, an extracted copy of the package's /usr/share/openclipart/png; the
+    installed Debian package `openclipart-png`; a copy extracted earlier into `cache`; else the package is fetched
+    there without root: `apt-get download openclipart-png` and `dpkg -x` of the .deb (about 130 MB)."""
+    given = given or os.environ.get(OPENCLIPART_ENV)
+    if given:
+        folder = Path(given)
+        found = folder if any(folder.glob('*/*.png')) or any(folder.glob('*/*/*.png')) else None
+        return (found, '') if found else (None, f"{folder} holds no openclipart-png category folders of PNGs")
+    for folder in (OPENCLIPART_DIR, cache / OPENCLIPART_DIR.relative_to('/') if cache else None):
+        if folder and folder.is_dir():
+            return folder, ''
+    if cache is None:
+        return None, f"{OPENCLIPART_DIR} is missing"
+    if not (shutil.which('apt-get') and shutil.which('dpkg')):
+        return None, f"{OPENCLIPART_DIR} is missing and apt-get/dpkg are not available to fetch openclipart-png"
+    download = cache / 'deb'
+    download.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(['apt-get', 'download', '-q', 'openclipart-png'], cwd=download, capture_output=True,
+                            text=True)
+    debs = sorted(download.glob('openclipart-png_*.deb'))
+    if result.returncode or not debs:
+        return None, (f"{OPENCLIPART_DIR} is missing and `apt-get download openclipart-png` failed: "
+                      f"{(result.stderr or result.stdout).strip()[-300:]}")
+    result = subprocess.run(['dpkg', '-x', str(debs[-1]), str(cache)], capture_output=True, text=True)
+    folder = cache / OPENCLIPART_DIR.relative_to('/')
+    if result.returncode or not folder.is_dir():
+        return None, f"dpkg -x {debs[-1]} failed: {(result.stderr or result.stdout).strip()[-300:]}"
+    debs[-1].unlink()  # the extracted copy is what is kept
+    return folder, ''
+
+
+def _words(name: str) -> str:
+    """A folder or file name as words: lower case, '_' and '-' as spaces, a trailing number ('_01', 'star2')
+    dropped, and the few folder names that are not words spelled out (CLIPART_FOLDER_WORDS)."""
+    name = CLIPART_FOLDER_WORDS.get(name, name)
+    words = [w for w in re.split(r'[\s_\-]+', name.lower()) if w]
+    while words and words[-1].isdigit():
+        words.pop()
+    if words:
+        words[-1] = words[-1].rstrip('0123456789')
+    return ' '.join(words)
+
+
+def clipart_caption(relative: Path) -> str:
+    """'<file words>, <folder words>' of a path below png/: the file stem's words (at most 6, so that the folder
+    words survive a short text context), then the folders' words from the deepest up to the category's subfolder;
+    the top-level category only when the image sits directly in it. File names often end in a truncated author's
+    name ('full_moon_dan_gerhards_01' -> 'full moon dan gerhards'): those fragments cannot be told apart from content
+    words reliably and are kept. Deterministic: the path alone decides."""
+    folders = relative.parts[:-1]
+    stem = ' '.join(_words(relative.stem).split()[:6]) or 'clip art'
+    shown = folders[:0:-1] if len(folders) > 1 else folders
+    return ', '.join([stem, *(_words(f) for f in shown)])
+
+
+def clipart_class(relative: Path):
+    """The class key of an image: its category and subfolder ('signs_and_symbols/map_symbols'; deeper folders
+    belong to their subfolder: flags/europe/france -> flags), or None when the image sits directly in a top-level
+    folder (those are catch-alls that overlap their own subfolders: animals/ and animals/mammals) or in an excluded
+    folder (CLIPART_EXCLUDED)."""
+    folders = relative.parts[:-1]
+    if len(folders) < 2:
+        return None
+    key = '/'.join(folders[:2])
+    return None if key in CLIPART_EXCLUDED or folders[0] in CLIPART_EXCLUDED else key
+
+
+def _small_enough(path: Path) -> bool:
+    """Whether an image's header says at most CLIPART_MAX_PIXELS (and it can be read at all)."""
+    import warnings
+    from PIL import Image
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', Image.DecompressionBombWarning)
+        try:
+            with Image.open(path) as image:
+                return image.width * image.height <= CLIPART_MAX_PIXELS
+        except (OSError, Image.DecompressionBombError):
+            return False
+
+
+def _flatten_on_white(path: Path, size: int):
+    """An RGB `size` x `size` copy: transparency composited on white, the longer side scaled to `size`, centred."""
+    from PIL import Image
+    with Image.open(path) as image:
+        image = image.convert('RGBA')
+    flat = Image.new('RGBA', image.size, 'white')
+    flat.alpha_composite(image)
+    flat = flat.convert('RGB')
+    flat.thumbnail((size, size), Image.LANCZOS)
+    square = Image.new('RGB', (size, size), 'white')
+    square.paste(flat, ((size - flat.width) // 2, (size - flat.height) // 2))
+    return square
+
+
+def prepare_openclipart(root: Path, source: Path, n_ref, n_train: int, seed: int = 0, min_class_images: int = None,
+                        image_size: int = CLIPART_SIZE) -> dict:
+    """Debian's openclipart-png as image-caption pairs. Captions from the file and folder names (`clipart_caption`);
+    zero-shot classes: the category subfolders (`clipart_class`) with at least `min_class_images` images, named by
+    their words ('map symbols'). Test split: of each class, a random 15% of its images (at most
+    CLIPART_TEST_PER_CLASS, so that the 1378 stars do not make up most of it), in a random order, with their captions
+    (the retrieval pairs). The target split (`n_train`) and the reference split (`n_ref`, None: everything left) are
+    drawn from all the other images, labelled or not, disjoint from each other. Images are written as small RGB
+    copies on white; tab-separated CSVs (filepath, title, label: -1 when the image is in no class). Images over
+    CLIPART_MAX_PIXELS are left out (18 posters in openclipart-png 0.18, up to 20990 x 29700 pixels: gigabytes to
+    decode)."""
+    min_class_images = min_class_images or CLIPART_MIN_CLASS_IMAGES
+    paths = sorted(p.relative_to(source) for p in Path(source).rglob('*.png') if _small_enough(p))
+    keys = [clipart_class(p) for p in paths]
+    counts = {}
+    for key in keys:
+        if key:
+            counts[key] = counts.get(key, 0) + 1
+    class_keys = sorted(k for k, n in counts.items() if n >= min_class_images)
+    if len(class_keys) < 2:
+        raise SystemExit(f"{source}: fewer than 2 folders with {min_class_images} images; is it openclipart-png?")
+    label_of = {k: i for i, k in enumerate(class_keys)}
+    labels = np.array([label_of.get(k, -1) for k in keys])
+    rng = np.random.default_rng(seed)
+    test = []
+    for label in range(len(class_keys)):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        test += members[:min(CLIPART_TEST_PER_CLASS, max(1, round(CLIPART_TEST_SHARE * len(members))))].tolist()
+    test = rng.permutation(test)
+    held_out = set(test.tolist())
+    pool = rng.permutation([i for i in range(len(paths)) if i not in held_out])
+    if n_train > len(pool):
+        raise SystemExit(f"openclipart: {n_train} training pairs asked for, {len(pool)} images outside the test split")
+    splits = {'test': test, 'train': pool[:n_train], 'ref': pool[n_train:n_train + _rest(n_ref, len(pool))]}
+    out = {}
+    for split, idx in splits.items():
+        folder = root / split
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for i in idx:
+            path = folder / f'{i:05d}.png'
+            _flatten_on_white(source / paths[i], image_size).save(path)
+            rows.append((str(path), clipart_caption(paths[i]), int(labels[i])))
+        out[split] = str(_write_csv(root / f'{split}.csv', rows))
+    classnames = [_words(k.split('/')[1]) for k in class_keys]
+    (root / 'classes.json').write_text(json.dumps(
+        {'classnames': classnames, 'templates': list(CLIPART_TEMPLATES), 'folders': class_keys}, indent=1))
+    out['classes'] = str(root / 'classes.json')
+    out['sizes'] = {split: len(idx) for split, idx in splits.items()}
+    out['class_counts'] = {name: int((labels[test] == i).sum()) for i, name in enumerate(classnames)}
+    return out
+
+
 def prepare_shapes(root: Path, n_ref: int, n_train: int, n_test: int) -> dict:
     """The demo's drawn shapes (colour x shape classes), the fallback when Fashion-MNIST cannot be installed."""
     from drrho_openclip.demo import make_split, shape_classes
@@ -172,7 +351,19 @@ def prepare_shapes(root: Path, n_ref: int, n_train: int, n_test: int) -> dict:
     return out
 
 
-def prepare_data(kind: str, root: Path, n_ref: int, n_train: int, n_test: int) -> dict:
+def prepare_data(kind: str, root: Path, n_ref, n_train: int, n_test: int, clipart_dir=None, cache=None) -> dict:
+    """The built-in data's splits; `n_ref` None: the reference takes every image the other splits leave."""
+    if kind == 'openclipart':
+        source, why_not = ensure_openclipart(clipart_dir, cache)
+        if why_not:  # no fallback: a run on other data would be mistaken for this one
+            raise SystemExit(f"data: openclipart is not available ({why_not}). Install the Debian package "
+                             f"openclipart-png, or pass --openclipart-dir (or set {OPENCLIPART_ENV}) to an extracted "
+                             f"copy of its {OPENCLIPART_DIR}")
+        print(f"data: openclipart (Debian openclipart-png, {source}); converting the images", flush=True)
+        data = prepare_openclipart(root, source, n_ref, n_train)
+        print(f"      {len(data['class_counts'])} classes; images: " +
+              ', '.join(f"{k} {v}" for k, v in data['sizes'].items()), flush=True)
+        return dict(name='openclipart', **data)
     if kind == 'fashion-mnist':
         why_not = ensure_fashion_mnist()
         if not why_not:
@@ -182,6 +373,8 @@ def prepare_data(kind: str, root: Path, n_ref: int, n_train: int, n_test: int) -
               flush=True)
     else:
         print("data: the demo's drawn shapes", flush=True)
+    if n_ref is None:
+        raise SystemExit("--ref-samples all: the drawn shapes have no fixed pool to take the rest of")
     return dict(name='shapes', **prepare_shapes(root, n_ref, n_train, n_test))
 
 
@@ -210,8 +403,9 @@ class Dataset:
             self.frame.iloc[:round(fraction * size)].to_csv(path, sep=self.args.csv_separator, index=False)
             return Dataset(path, self.args)
         k = round(fraction * len(self.shards))
-        if k != fraction * len(self.shards):
-            raise SystemExit(f"{len(self.shards)} shards cannot be split into {FRACTIONS}: use a multiple of 4")
+        if abs(k - fraction * len(self.shards)) > 1e-9:
+            raise SystemExit(f"{len(self.shards)} shards cannot be split into {fraction:.0%}: use a multiple of the "
+                             f"fractions' common denominator")
         return Dataset('::'.join(self.shards[:k]), self.args)
 
     def openclip_args(self, num_samples: int):
@@ -236,6 +430,22 @@ class Dataset:
             if i == limit:
                 return
             yield sample
+
+    def labelled_pairs(self, limit: int):
+        """Up to `limit` (PIL image, label, caption or None where the data has no captions) in file order."""
+        from PIL import Image
+        if self.is_csv:
+            a, frame = self.args, self.frame[:limit]
+            captions = frame[a.csv_caption_key] if a.csv_caption_key in frame else [None] * len(frame)
+            for path, label, caption in zip(frame[a.csv_img_key], frame[a.csv_label_key], captions):
+                yield Image.open(path), int(label), (None if caption is None else str(caption))
+            return
+        import webdataset as wds
+        for i, sample in enumerate(wds.WebDataset(self.shards, shardshuffle=False).decode('pilrgb')):
+            if i == limit:
+                return
+            image = next(sample[k] for k in ('jpg', 'png', 'jpeg', 'webp') if k in sample)
+            yield image, int(sample['cls']), sample.get('txt')
 
 
 # ---- the in-process worker: train one run with OpenCLIP, evaluate its checkpoints --------------------------------
@@ -279,11 +489,31 @@ def _load(model_name, checkpoint):
 
 
 def _test_set(task):
+    """(preprocessed images, labels, retrieval texts or None): the texts are (the distinct captions tokenized, each
+    pair's index into them), or None when some test sample has no caption."""
     import torch
-    _, preprocess, _ = _model(task['model'])
-    data = Dataset(task['test_data'], task['args'])
-    pairs = list(data.samples(task['test_samples'], with_text=False))
-    return torch.stack([preprocess(image) for image, _ in pairs]), torch.tensor([label for _, label in pairs])
+    _, preprocess, tokenizer = _model(task['model'])
+    triples = list(Dataset(task['test_data'], task['args']).labelled_pairs(task['test_samples']))
+    images = torch.stack([preprocess(image) for image, _, _ in triples])
+    labels = torch.tensor([label for _, label, _ in triples])
+    captions = [caption for _, _, caption in triples]
+    if any(c is None for c in captions):
+        return images, labels, None
+    distinct = sorted(set(captions))
+    index = {c: i for i, c in enumerate(distinct)}
+    return images, labels, (tokenizer(distinct), torch.tensor([index[c] for c in captions]))
+
+
+def heldout_retrieval(model, images, texts) -> dict:
+    """Image→text and text→image R@1 and R@5 (%) over the test pairs (drrho_openclip.reference_check.retrieval: a
+    pair counts as retrieved when its own caption, or its own image, ranks among the top k), and `mean_recall`, the
+    mean of the four. `texts` = (distinct captions tokenized, each pair's index into them): identical captions get
+    identical features, so they tie exactly, and a tie does not rank above the pair's own caption."""
+    from drrho_openclip.reference_check import retrieval
+    tokens, index = texts
+    image_features, text_features = _features(model, images, tokens)
+    recall = retrieval(image_features.double(), text_features[index].double())
+    return dict(recall, mean_recall=float(np.mean(list(recall.values()))))
 
 
 def per_sample_clip_loss(image_features, text_features, logit_scale: float, batch_size: int):
@@ -361,12 +591,15 @@ def run_task(task: dict) -> dict:
         result['error'] = f"{'failed' if trained else 'skipped, refused at start-up'}: {error}"
         return result
     classes = json.loads(Path(task['classes']).read_text())
-    images, labels = _cached(('test', task['test_data']), lambda: _test_set(task))
+    images, labels, texts = _cached(('test', task['test_data']), lambda: _test_set(task))
     curve = []
     for epoch in range(1, task['epochs'] + 1):
         checkpoint = logs / task['name'] / 'checkpoints' / f'epoch_{epoch}.pt'
         model, _, tokenizer = _load(task['model'], checkpoint)
         curve.append((epoch * task['samples_per_epoch'], zero_shot_accuracy(model, tokenizer, images, labels, classes)))
+        if texts is not None and epoch == task['epochs']:
+            result['retrieval'] = heldout_retrieval(model, images, texts)
+            result['mean_recall'] = result['retrieval'].pop('mean_recall')
         if task.get('variance_data') and epoch == task['epochs']:
             vimages, vtexts = _cached(('variance', task['variance_data']), lambda: _variance_set(task))
             target = _features(model, vimages, vtexts)  # before the reference is loaded into the same module
@@ -375,7 +608,8 @@ def run_task(task: dict) -> dict:
             result['variance'] = loss_variances(target, ref, task['batch_size'])
         if not task.get('keep_checkpoints'):
             checkpoint.unlink()
-    result.update(curve=curve, accuracy=curve[-1][1], test_images=len(labels))
+    result.update(curve=curve, accuracy=curve[-1][1], test_images=len(labels),
+                  test_majority=float(labels.bincount().max()) / len(labels))
     return result
 
 
@@ -384,8 +618,11 @@ def run_task(task: dict) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='small data and short runs (about 4 minutes on 2 idle cores)')
-    p.add_argument('--data', choices=['fashion-mnist', 'shapes'], default='fashion-mnist',
+    p.add_argument('--data', choices=['fashion-mnist', 'openclipart', 'shapes'], default='fashion-mnist',
                    help='built-in data, when --train-data is not given (default: %(default)s)')
+    p.add_argument('--openclipart-dir', help=f"--data openclipart: an extracted copy of openclipart-png's "
+                                             f"{OPENCLIPART_DIR} (default: ${OPENCLIPART_ENV}, else the installed "
+                                             f"package, else fetched with apt-get download + dpkg -x)")
     p.add_argument('--train-data', help="target training data: CSV, or WebDataset shards ('::' or braces)")
     p.add_argument('--ref-data', help="the reference model's training data, disjoint from --train-data")
     p.add_argument('--test-data', help='labelled test data: CSV with --csv-label-key, or WebDataset with cls')
@@ -400,11 +637,15 @@ def parse_args(argv=None):
                         "--losses clip 'drrho --learn-temperature --temperature 0.07'")
     p.add_argument('--seeds', type=int, nargs='+', help='training seeds (default: 0 1 2)')
     p.add_argument('--train-samples', type=int, help='target split size used as 100%% (default: per mode)')
-    p.add_argument('--ref-samples', type=int,
-                   help="built-in data: the reference model's split size (default: per mode; larger gives a "
-                        "stronger reference)")
+    p.add_argument('--ref-samples', type=lambda v: None if v == 'all' else int(v), default=0,
+                   help="built-in data: the reference model's split size, or 'all': every image the target and "
+                        "test splits leave (default: per mode; larger gives a stronger reference)")
     p.add_argument('--ref-epochs', type=int, help="the reference model's epochs (default: per mode)")
-    p.add_argument('--epochs', type=int, help='epochs at 100%% of the data, a multiple of 3 (default: per mode)')
+    p.add_argument('--epochs', type=int, help='epochs at 100%% of the data; epochs/fraction must be whole for every '
+                                               'fraction (default: per mode)')
+    p.add_argument('--fractions', type=Fraction, nargs='+',
+                   default=[Fraction(f).limit_denominator() for f in FRACTIONS],
+                   help='fractions of the target split, 1 among them: 0.5 0.75 1 or 1/3 2/3 1 (default: 0.5 0.75 1)')
     p.add_argument('--batch-size', type=int)
     p.add_argument('--test-samples', type=int, help='test images evaluated, from the start (default: per mode)')
     p.add_argument('--jobs', type=int, default=os.cpu_count(), help='worker processes (default: one per core)')
@@ -420,11 +661,16 @@ def parse_args(argv=None):
     args.batch_size = args.batch_size or preset['batch_size']
     args.train_samples = args.train_samples or preset['train']
     args.test_samples = args.test_samples or preset['test']
-    args.ref_samples = args.ref_samples or preset['ref']
+    args.ref_samples = args.ref_samples if args.ref_samples != 0 else preset['ref']
     args.ref_epochs = args.ref_epochs or preset['ref_epochs']
     args.preset = preset
-    if args.epochs % 3:
-        p.error('--epochs must be a multiple of 3 (75% of the data then runs 4/3 as many epochs)')
+    args.fractions = sorted(set(args.fractions))
+    if not 0 < args.fractions[0] or args.fractions[-1] != 1:
+        p.error('--fractions must lie in (0, 1] and include 1 (100%: the epochs, the variance check)')
+    for f in args.fractions:  # every fraction sees epochs x 100% samples: epochs / f whole epochs over f x 100%
+        if args.epochs % f.numerator:
+            p.error(f"--epochs {args.epochs}: {f} of the data would need {args.epochs / f} epochs to see the same "
+                    f"samples; use a multiple of {f.numerator}")
     if len(args.seeds) < 3:
         p.error('at least 3 seeds: the tables report mean ± std over seeds')
     return args
@@ -461,11 +707,12 @@ def mean_std(values):
     return (float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0)
 
 
-def summarize(runs, losses):
-    """{loss: {fraction: {...}}} with accuracy mean/std, mean curves and variance mean/std over seeds."""
+def summarize(runs, losses, fractions=FRACTIONS):
+    """{loss: {fraction: {...}}} with accuracy mean/std, mean curves, and retrieval and variance mean/std over
+    seeds."""
     table = {}
     for loss in losses:
-        for fraction in FRACTIONS:
+        for fraction in map(float, fractions):
             done = [r for r in runs if r['loss'] == loss and r['fraction'] == fraction and 'error' not in r]
             failed = [r for r in runs if r['loss'] == loss and r['fraction'] == fraction and 'error' in r]
             entry = {'seeds': len(done)}
@@ -479,6 +726,9 @@ def summarize(runs, losses):
                                   'std': curves.std(0, ddof=min(1, len(done) - 1)).tolist()}
                 if 'variance' in done[0]:
                     entry['variance'] = {k: mean_std([r['variance'][k] for r in done]) for k in done[0]['variance']}
+                if 'retrieval' in done[0]:
+                    entry['mean_recall'] = mean_std([r['mean_recall'] for r in done])
+                    entry['retrieval'] = {k: mean_std([r['retrieval'][k] for r in done]) for k in done[0]['retrieval']}
             table.setdefault(loss, {})[str(fraction)] = entry
     return table
 
@@ -487,24 +737,65 @@ def fmt(ms, scale=100.0, digits=1):
     return f"{ms[0] * scale:.{digits}f} ± {ms[1] * scale:.{digits}f}"
 
 
+RECALL_KEYS = ('image_to_text_R@1', 'image_to_text_R@5', 'text_to_image_R@1', 'text_to_image_R@5')
+
+
+def _recall_name(key: str) -> str:
+    return key.replace('image_to_text_', 'image→text ').replace('text_to_image_', 'text→image ')
+
+
+def _recall_words(retrieval: dict) -> str:
+    return ', '.join(f"{_recall_name(k)} {retrieval[k]:.1f}" for k in RECALL_KEYS)
+
+
 def markdown(report) -> str:
     c, s = report['config'], report['summary']
+    fractions = c.get('fractions', FRACTIONS)
+    recall = 'reference_mean_recall' in report
+    epochs = ', '.join(f"{round(c['epochs_at_100'] / f)} at {f:.0%}" for f in fractions[::-1][1:])
+    ref_recall = (f"; mean recall **{report['reference_mean_recall']:.1f}%** "
+                  f"({_recall_words(report['reference_retrieval'])})" if recall else '')
+    majority = report.get('reference_test_majority') or 0
+    chance = f"chance {100 / c['num_classes']:.0f}%" + (
+        f", most frequent class {majority:.0%}" if majority > 1.5 / c['num_classes'] else '')
+    recall_words = ("Mean recall: the mean of image→text and text→image R@1 and R@5 (%) over the same held-out "
+                    "image-caption pairs, at the last epoch (a pair counts when its own caption or image is among the "
+                    "top k; identical captions tie and a tie does not rank above it). " if recall else '')
     lines = [
         f"# Mini replication: data efficiency of every registered loss ({report['data']['name']})", '',
         f"Data: {report['data']['description']}. Model: {c['model_description']}. Zero-shot top-1 on "
-        f"{report['reference_test_images']} held-out test images ({c['num_classes']} classes, "
-        f"chance {100 / c['num_classes']:.0f}%). "
+        f"{report['reference_test_images']} held-out test images ({c['num_classes']} classes, {chance}). "
+        + recall_words +
         f"Every target sees the same {c['samples_seen']} samples (batch {c['batch_size']}, {c['epochs_at_100']} "
-        f"epochs at 100% of {c['train_samples']} pairs, {c['epochs_at_100'] * 2} at 50%); seeds {c['seeds']}; "
-        f"mean ± std over seeds (sample std). Reference: `--loss clip` on {c['ref_samples']} disjoint pairs, "
-        f"{c['ref_epochs']} epochs: **{report['reference_accuracy'] * 100:.1f}%** zero-shot top-1.", '',
-        f"Machine: {report['machine']}. Wall time {report['wall_seconds'] / 60:.1f} min.", '',
+        f"epochs at 100% of {c['train_samples']} pairs" + (f", {epochs}" if epochs else '') + f"); seeds "
+        f"{c['seeds']}; mean ± std over seeds (sample std). Reference: `--loss clip` on {c['ref_samples']} disjoint "
+        f"pairs, {c['ref_epochs']} epochs: **{report['reference_accuracy'] * 100:.1f}%** zero-shot top-1{ref_recall}.",
+        '', f"Machine: {report['machine']}. Wall time {report['wall_seconds'] / 60:.1f} min.", '',
         "JEST and JEST (top-k) read each batch as the super-batch and train on its selected 20%, as in the paper.",
-        '', '| loss | reference features | 50% data | 75% data | 100% data |', '|---|---|---:|---:|---:|']
+        '']
+    per_cell = ('top-1', 'mean recall') if recall else ('top-1',)
+    lines += ['| loss | reference features | ' + ' | '.join(f"{f:.0%} data: {m}" for f in fractions for m in per_cell)
+              + ' |', '|---|---|' + '---:|' * (len(fractions) * len(per_cell))]
     for loss, per_fraction in s.items():
-        cells = [fmt(e['accuracy']) if 'accuracy' in e else e.get('error', '?').split(':')[0]
-                 for e in (per_fraction[str(f)] for f in FRACTIONS)]
+        cells = []
+        for e in (per_fraction[str(float(f))] for f in fractions):
+            if 'accuracy' not in e:
+                cells += [e.get('error', '?').split(':')[0]] + [''] * (len(per_cell) - 1)
+                continue
+            cells.append(fmt(e['accuracy']))
+            if recall:
+                cells.append(fmt(e['mean_recall'], 1) if 'mean_recall' in e else '–')
         lines.append(f"| {loss} | {report['reference_use'][loss]} | " + ' | '.join(cells) + ' |')
+    if recall:
+        lines += ['', "## Retrieval on the held-out pairs at 100% data (%)", '',
+                  '| loss | ' + ' | '.join(map(_recall_name, RECALL_KEYS)) + ' | mean recall |', '|---|' + '---:|' * 5,
+                  '| reference | ' + ' | '.join(f"{report['reference_retrieval'][k]:.1f}" for k in RECALL_KEYS)
+                  + f" | {report['reference_mean_recall']:.1f} |"]
+        for loss, per_fraction in s.items():
+            e = per_fraction['1.0']
+            if 'retrieval' in e:
+                lines.append(f"| {loss} | " + ' | '.join(fmt(e['retrieval'][k], 1) for k in RECALL_KEYS)
+                             + f" | {fmt(e['mean_recall'], 1)} |")
     lines += ['', "## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
               f"Over the target's {c['variance_samples']} training pairs, per-sample mini-batch CLIP loss (batches of "
               f"{c['batch_size']}, τ = {VARIANCE_TEMPERATURE} for both models). Var ℓ(θ,z) is the plain loss of "
@@ -535,8 +826,8 @@ def plot(report, path: Path):
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), sharex=True, sharey=True, squeeze=False)
     baseline = summary.get('clip', {}).get('1.0', {}).get('curve')
     for ax, loss in zip(axes.flat, losses):
-        for fraction in FRACTIONS:
-            curve = summary[loss][str(fraction)].get('curve')
+        for fraction in report['config'].get('fractions', FRACTIONS):
+            curve = summary[loss][str(float(fraction))].get('curve')
             if curve:
                 x, m, sd = (np.array(curve[k]) for k in ('samples_seen', 'mean', 'std'))
                 ax.plot(x, m * 100, marker='o', ms=3, label=f'{fraction:.0%} data')
@@ -577,6 +868,21 @@ def scaling_rows(report, gflops_per_sample: float):
     return rows
 
 
+def work_folder(args) -> Path:
+    """Where this run's data, logs and checkpoints go (wiped at its start): <workdir>/quick or full for the default
+    --output, else <workdir>/by-output/<that output's path>/quick or full, so that runs with different outputs can
+    go side by side."""
+    mode = 'quick' if args.quick else 'full'
+    out = Path(args.output).resolve()
+    if out == RESULTS.resolve():
+        return Path(args.workdir).resolve() / mode
+    try:
+        tag = str(out.relative_to(RESULTS.resolve()))
+    except ValueError:
+        tag = str(out)
+    return Path(args.workdir).resolve() / 'by-output' / re.sub(r'[^A-Za-z0-9._-]+', '_', tag).strip('_') / mode
+
+
 def main(argv=None):
     args = parse_args(argv)
     from drrho_openclip.openclip import install_import_hook
@@ -584,7 +890,7 @@ def main(argv=None):
     from drrho_openclip.demo import TINY_MODEL, write_tiny_model
     from drrho_openclip.losses import get_loss_spec, list_losses
     start = time.time()
-    work = Path(args.workdir).resolve() / ('quick' if args.quick else 'full')
+    work = work_folder(args)
     if work.exists():
         shutil.rmtree(work)  # a scratch area: runs are named per loss/fraction/seed and OpenCLIP never overwrites
     work.mkdir(parents=True)
@@ -594,10 +900,18 @@ def main(argv=None):
                     classes=args.classes, description=f"own data: {args.train_data} (reference {args.ref_data}, "
                                                       f"test {args.test_data})")
     else:
-        data = prepare_data(args.data, work / 'data', args.ref_samples, args.train_samples, args.test_samples)
-        data['description'] = ('Fashion-MNIST (Debian dataset-fashion-mnist), captions from class names, synonyms '
-                               'and descriptions' if data['name'] == 'fashion-mnist' else
-                               "the demo's drawn shapes (FALLBACK: Fashion-MNIST could not be installed)")
+        data = prepare_data(args.data, work / 'data', args.ref_samples, args.train_samples, args.test_samples,
+                            args.openclipart_dir, Path(args.workdir).resolve() / 'openclipart-png')
+        data['description'] = {
+            'fashion-mnist': 'Fashion-MNIST (Debian dataset-fashion-mnist), captions from class names, synonyms and '
+                             'descriptions',
+            'openclipart': f"openclipart (Debian openclipart-png) as {CLIPART_SIZE}x{CLIPART_SIZE} RGB on white, "
+                           f"captions from file and folder names; classes: the category subfolders with at least "
+                           f"{CLIPART_MIN_CLASS_IMAGES} images (icon themes, buttons, gradients, patterns and "
+                           f"unsorted excluded), test split: 15% of each class, at most {CLIPART_TEST_PER_CLASS}",
+            'shapes': "the demo's drawn shapes" + ('' if args.data == 'shapes' else
+                                                   " (FALLBACK: Fashion-MNIST could not be installed)"),
+        }[data['name']]
     if args.model:
         model, model_description = args.model, args.model
     else:
@@ -605,11 +919,13 @@ def main(argv=None):
         model_description = f"the demo's tiny CLIP ({json.dumps(TINY_MODEL['model_cfg'])})"
     losses = args.losses or list_losses()  # labels: a loss name, optionally followed by its own flags
     train_full, ref_data = Dataset(data['train'], args), Dataset(data['ref'], args)
-    quantum = 4 * args.batch_size  # 50%, 75% and 100% in whole batches
+    fractions = [float(f) for f in args.fractions]
+    denominator = math.lcm(*(f.denominator for f in args.fractions))
+    quantum = denominator * args.batch_size  # every fraction in whole batches
     size = len(train_full) // quantum * quantum if train_full.is_csv else len(train_full)
     if size < quantum:
         raise SystemExit(f"{data['train']} has {len(train_full)} samples: at least {quantum} are needed")
-    subsets = {f: train_full.subset(f, size, work) for f in FRACTIONS}
+    subsets = {float(f): train_full.subset(float(f), size, work) for f in args.fractions}
     classes = json.loads(Path(data['classes']).read_text())
     logs = work / 'logs'
     common = dict(model=model, args=args, logs=str(logs), classes=data['classes'], test_data=data['test'],
@@ -627,12 +943,14 @@ def main(argv=None):
     if 'error' in ref:
         raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
     ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{args.ref_epochs}.pt"
-    print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}; precomputing its features", flush=True)
+    print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}" +
+          (f", mean recall {ref['mean_recall']:.1f}%" if 'mean_recall' in ref else '') +
+          "; precomputing its features", flush=True)
     if train_full.is_csv:  # a store describes one CSV file row by row: one per subset
-        stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in FRACTIONS}
-        sources = {stores[f]: subsets[f] for f in FRACTIONS}
+        stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in fractions}
+        sources = {stores[f]: subsets[f] for f in fractions}
     else:  # WebDataset: one store keyed by (shard, key) serves every subset of the shards
-        stores = dict.fromkeys(FRACTIONS, work / 'ref_features')
+        stores = dict.fromkeys(fractions, work / 'ref_features')
         sources = {work / 'ref_features': train_full}
     jobs = {out: precompute(model, ref_checkpoint, source, out, args) for out, source in sources.items()}
     for out, job in jobs.items():
@@ -648,8 +966,8 @@ def main(argv=None):
         reference_use[loss] = {'required': 'yes (required)', 'none': 'no'}.get(
             spec.reference, 'yes (these flags)' if needs_ref else 'no (optional)')
         run_label = re.sub(r'[^A-Za-z0-9.]+', '_', loss).strip('_')  # run and folder names
-        for fraction in FRACTIONS:
-            epochs = round(args.epochs / fraction)
+        for exact in args.fractions:
+            fraction, epochs = float(exact), int(args.epochs / exact)  # whole: parse_args checked
             n = len(subsets[fraction])
             for seed in args.seeds:
                 name = f"{run_label}-{round(fraction * 100):03d}-s{seed}"
@@ -660,7 +978,7 @@ def main(argv=None):
                                   variance_data=data['train'] if fraction == 1.0 else None,
                                   variance_samples=size,
                                   argv=train_argv(model, subsets[fraction], n, logs, name, epochs, args, seed, extra)))
-    print(f"[2/3] {len(tasks)} target runs: {len(losses)} losses x {len(FRACTIONS)} fractions x {len(args.seeds)} "
+    print(f"[2/3] {len(tasks)} target runs: {len(losses)} losses x {len(fractions)} fractions x {len(args.seeds)} "
           f"seeds, {samples_seen} samples seen each, {args.jobs} worker processes; logs in {logs}/",
           flush=True)
     runs = []
@@ -670,7 +988,8 @@ def main(argv=None):
         runs.append(r)
         if 'error' in r:  # a loss that cannot run is reported as it happens; the rest is in the tables
             progress.write(f"      {r['name']}: {r['error']} (see {logs}/{r['name']}.console.txt)")
-        progress.set_postfix_str(f"last: {r['name']}" + ('' if 'error' in r else f" top-1 {r['accuracy']:.1%}"),
+        progress.set_postfix_str(f"last: {r['name']}" + ('' if 'error' in r else f" top-1 {r['accuracy']:.1%}") +
+                                 (f" mean recall {r['mean_recall']:.1f}%" if 'mean_recall' in r else ''),
                                  refresh=False)
         progress.update()
     progress.close()
@@ -680,17 +999,20 @@ def main(argv=None):
     runs.sort(key=lambda r: (r['loss'], r['fraction'], r['seed']))
     not_run = {r['name']: r['error'] for r in runs if 'error' in r}
     report = dict(
-        data=dict(name=data['name'], description=data['description']),
+        data=dict(name=data['name'], description=data['description'],
+                  **{k: data[k] for k in ('sizes', 'class_counts') if k in data}),
         config=dict(model=model, model_description=model_description, train_samples=size,
                     ref_samples=len(ref_data), test_samples=args.test_samples, num_classes=len(classes['classnames']),
                     batch_size=args.batch_size, epochs_at_100=args.epochs, ref_epochs=args.ref_epochs,
-                    lr=preset['lr'], samples_seen=samples_seen, seeds=args.seeds, fractions=FRACTIONS,
+                    lr=preset['lr'], samples_seen=samples_seen, seeds=args.seeds, fractions=fractions,
                     variance_samples=size, variance_temperature=VARIANCE_TEMPERATURE, quick=args.quick),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end, "
                 f"torch threads 1 per worker x {args.jobs} workers",
         reference_accuracy=ref['accuracy'], reference_curve=ref['curve'], reference_test_images=ref['test_images'],
-        reference_use=reference_use,
-        summary=summarize(runs, losses), runs=runs, not_run=not_run, wall_seconds=time.time() - start)
+        reference_test_majority=ref['test_majority'], reference_use=reference_use,
+        **({'reference_mean_recall': ref['mean_recall'], 'reference_retrieval': ref['retrieval']}
+           if 'mean_recall' in ref else {}),
+        summary=summarize(runs, losses, fractions), runs=runs, not_run=not_run, wall_seconds=time.time() - start)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     suffix = '_quick' if args.quick else ''

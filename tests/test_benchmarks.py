@@ -125,6 +125,108 @@ def test_replication_passes_reference_features_when_the_flags_read_them(referenc
     assert replication.reads_reference(reference, flags) is reads
 
 
+def test_clipart_captions_and_classes_come_from_the_path():
+    caption, label = replication.clipart_caption, replication.clipart_class
+    assert caption(Path('science/astronomy/full_moon_dan_gerhards_01.png')) == 'full moon dan gerhards, astronomy'
+    assert caption(Path('signs_and_symbols/flags/europe/bretagne_01.png')) == 'bretagne, europe, flags'
+    assert caption(Path('transportation/aiga-symbols/aiga_taxi1.png')) == 'aiga taxi, transport pictograms'
+    assert caption(Path('people/chav_01.png')) == 'chav, people'  # directly in a category: its name
+    assert label(Path('signs_and_symbols/flags/europe/france/corsica.png')) == 'signs_and_symbols/flags'
+    assert label(Path('people/chav_01.png')) is None  # a catch-all folder, not a class
+    assert label(Path('computer/icons/flat-theme/action/cut.png')) is None  # excluded
+    assert label(Path('unsorted/sub/x.png')) is None
+
+
+def test_openclipart_preparer_splits_labels_and_flattens_on_white(tmp_path):
+    from PIL import Image
+    source = tmp_path / 'png'
+    tree = {'animals/mammals': 20, 'animals/mammals/dogs': 5, 'food/fruit': 20, 'food/nuts': 3,
+            'computer/icons/lemon-theme': 30, 'special/gradients': 30, 'animals': 7}
+    for folder, count in tree.items():
+        (source / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            Image.new('RGBA', (40 + i, 30), (255, 0, 0, 0 if 'fruit' in folder else 255)).save(
+                source / folder / f"{folder.split('/')[-1]}_item_{i:02d}.png")
+    data = replication.prepare_openclipart(tmp_path / 'out', source, n_ref=None, n_train=40, min_class_images=10)
+    classes = json.loads(Path(data['classes']).read_text())
+    assert classes['classnames'] == ['mammals', 'fruit'] and all('{}' in t for t in classes['templates'])
+    frames = {split: pd.read_csv(data[split], sep='\t') for split in ('ref', 'train', 'test')}
+    assert data['sizes'] == {'test': 4 + 3, 'train': 40, 'ref': sum(tree.values()) - 7 - 40}  # 15% of 25 and 20
+    assert frames['test']['label'].value_counts().sort_index().tolist() == [4, 3]
+    assert set(frames['train']['label']) <= {-1, 0, 1}
+    captions = [set(f['title']) for f in frames.values()]
+    assert 'mammals item, mammals' in captions[0] | captions[1] | captions[2]
+    every = pd.concat(frames.values())
+    dogs = every[every['title'].str.endswith('dogs, mammals')]
+    assert len(dogs) == 5 and (dogs['label'] == 0).all()  # a deeper folder belongs to its subfolder's class
+    assert (every[every['title'].str.contains('nuts|icons|gradients|animals')]['label'] == -1).all()
+    assert len(set().union(*(set(f['filepath']) for f in frames.values()))) == sum(tree.values())  # disjoint, all used
+    pixels = {t: np.asarray(Image.open(f)) for f, t in zip(every['filepath'], every['title'])}
+    assert all(a.shape == (64, 64, 3) for a in pixels.values())
+    assert (pixels['fruit item, fruit'] == 255).all()  # transparent: white
+    red = pixels['mammals item, mammals']  # opaque red, wider than high: centred, padded with white
+    assert red[32, 32].tolist() == [255, 0, 0] and red[0, 0].tolist() == [255, 255, 255]
+    again = replication.prepare_openclipart(tmp_path / 'again', source, n_ref=None, n_train=40, min_class_images=10)
+    assert pd.read_csv(again['test'], sep='\t')['title'].tolist() == frames['test']['title'].tolist()  # deterministic
+
+
+def test_openclipart_missing_names_the_package(tmp_path, monkeypatch):
+    monkeypatch.delenv(replication.OPENCLIPART_ENV, raising=False)
+    found, why = replication.ensure_openclipart(tmp_path / 'nothing here')
+    assert found is None and 'openclipart-png' in why
+    with pytest.raises(SystemExit, match='openclipart-png'):
+        replication.prepare_data('openclipart', tmp_path, None, 8, 8, clipart_dir=str(tmp_path / 'nothing here'))
+
+
+def test_heldout_retrieval_counts_the_own_caption_and_ties_for_it():
+    class Identity:
+        def encode_image(self, x, normalize=True):
+            return F.normalize(x, dim=-1)
+        encode_text = encode_image
+    images = torch.eye(4)[[0, 1, 2, 0]]
+    tokens = torch.eye(4)[[0, 1, 2]]  # pairs 2 and 3 share caption 2: identical features, a tie
+    got = replication.heldout_retrieval(Identity(), images, (tokens, torch.tensor([0, 1, 2, 2])))
+    # image 3 scores caption 0 above its own: missed; image 2 ties its own caption with pair 3's: found
+    assert got['image_to_text_R@1'] == 75.0 and got['text_to_image_R@1'] == 75.0
+    assert got['image_to_text_R@5'] == got['text_to_image_R@5'] == 100.0
+    assert got['mean_recall'] == pytest.approx(np.mean([got[k] for k in replication.RECALL_KEYS]))
+
+
+@pytest.mark.parametrize('fractions, epochs, ok', [
+    (['0.5', '1'], 1, True), (['0.5', '0.75', '1'], 3, True), (['1/3', '1'], 2, True),
+    (['2/3', '1'], 3, False), (['0.75', '1'], 4, False), (['0.5'], 2, False)])
+def test_replication_fractions_keep_the_samples_seen_whole(fractions, epochs, ok):
+    argv = ['--quick', '--fractions', *fractions, '--epochs', str(epochs)]
+    if not ok:
+        with pytest.raises(SystemExit):
+            replication.parse_args(argv)
+        return
+    args = replication.parse_args(argv)
+    assert all((epochs / f).denominator == 1 for f in args.fractions) and args.fractions[-1] == 1
+
+
+def test_replication_tables_have_a_column_group_per_fraction():
+    runs = [dict(name=f'clip-{f}-s{s}', loss='clip', fraction=f, seed=s, accuracy=0.2 + s / 100,
+                 curve=[(10, 0.1), (20, 0.2 + s / 100)], mean_recall=5.0 + s,
+                 retrieval=dict.fromkeys(replication.RECALL_KEYS, 5.0 + s),
+                 **({'variance': dict.fromkeys(('plain_image', 'plain_text', 'rho_image', 'rho_text'), 0.1)}
+                    if f == 1.0 else {}))
+            for f in (0.5, 1.0) for s in range(3)]
+    summary = replication.summarize(runs, ['clip'], [0.5, 1.0])
+    assert summary['clip']['1.0']['mean_recall'] == pytest.approx((6.0, 1.0))
+    report = dict(data=dict(name='x', description='x'), summary=summary, reference_use={'clip': 'no'}, not_run={},
+                  config=dict(model_description='m', num_classes=4, samples_seen=20, batch_size=2, epochs_at_100=1,
+                              train_samples=20, seeds=[0, 1, 2], ref_samples=8, ref_epochs=1, variance_samples=20,
+                              fractions=[0.5, 1.0]),
+                  reference_accuracy=0.3, reference_test_images=10, reference_test_majority=0.5,
+                  reference_mean_recall=4.0, reference_retrieval=dict.fromkeys(replication.RECALL_KEYS, 4.0),
+                  machine='m', wall_seconds=60)
+    md = replication.markdown(report)
+    assert '| 50% data: top-1 | 50% data: mean recall | 100% data: top-1 | 100% data: mean recall |' in md
+    assert '| clip | no | 21.0 ± 1.0 | 6.0 ± 1.0 | 21.0 ± 1.0 | 6.0 ± 1.0 |' in md
+    assert 'mean recall **4.0%**' in md and 'most frequent class 50%' in md
+
+
 def test_overheads_smoke_writes_its_json(tmp_path):
     out = tmp_path / 'overheads'
     result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--output', str(out)],
