@@ -11,8 +11,9 @@ reports, before any GPU-day is spent:
   similarities carry no information, so the RHO-shifted loss is ℓ̂_ij ≈ m_ij and the KL-DRO weights of an anchor are
   softmax_j(m_ij/τ) over its B − 1 negatives; their effective number exp(entropy) says over how many negatives each
   anchor's gradient is spread: near 1, one negative per anchor carries the whole update;
-- a verdict in plain words, the τ this rule suggests for the batch (see `suggest_temperature`) and the τ that
-  drrho's default `--temperature auto` starts from on such batches (the same rule, solved exactly).
+- a verdict in plain words, the τ this rule suggests for the batch (see `suggest_temperature`), the τ that
+  `--temperature auto` starts from on such batches (the same rule, solved exactly), and the logit scale at which the
+  reference is a calibrated teacher on such a batch (what `--reference-logit-scale auto` uses for distillation).
 """
 import argparse
 import json
@@ -25,6 +26,7 @@ import torch
 from .features import FeatureStore, FeatureStoreError
 from .losses import get_loss_spec, reference_margins, temperature_for_effective_negatives
 from .losses import effective_negatives  # noqa: F401 - part of this module's interface (per-anchor n_eff at a τ)
+from .losses.distill import calibrated_logit_scale
 
 TEMPERATURES = (0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.2)
 # The smallest τ whose weights spread the median anchor's update over at least this many negatives at the start of
@@ -45,6 +47,7 @@ class ReferenceReport:
     temperature: float = None         # the τ asked about
     suggested_temperature: float = None
     auto_temperature: float = None    # where drrho's --temperature auto starts on such batches
+    teacher_logit_scale: float = None  # the reference's calibrated logit scale on a batch of batch_size
     verdict: List[str] = field(default_factory=list)
 
 
@@ -120,7 +123,8 @@ def check(store_dir, batch_size: int, temperature: float = None, samples: int = 
                     q95=quantiles[2], negative_fraction=(margins < 0).double().mean().item()),
         effective_negatives=medians, temperature=temperature,
         suggested_temperature=suggest_temperature(medians),
-        auto_temperature=auto_temperature(margins))
+        auto_temperature=auto_temperature(margins),
+        teacher_logit_scale=calibrated_logit_scale(image[:batch], text[:batch]).item())
     report.verdict = verdict(report)
     return report
 
@@ -145,8 +149,13 @@ def verdict(r: ReferenceReport) -> List[str]:
     lines.append(f"Suggested: --temperature {s:g} for a global batch of {r.batch_size} (about "
                  f"{r.effective_negatives[s]:.0f} effective negatives per anchor); a larger batch suggests a smaller "
                  f"τ, so run this again with --batch-size set to your global batch.")
-    lines.append(f"drrho's default, --temperature auto, starts such a batch at τ = {r.auto_temperature:.3g} (the median "
-                 f"anchor on {MIN_EFFECTIVE_NEGATIVES:g} effective negatives) and learns τ from there.")
+    lines.append(f"drrho learns τ by default (from {DRRHO_DEFAULTS['temperature']:g}, its ρ keeping "
+                 f"{MIN_EFFECTIVE_NEGATIVES:g} effective negatives per anchor); --temperature auto would start such a "
+                 f"batch at τ = {r.auto_temperature:.3g} (the median anchor on {MIN_EFFECTIVE_NEGATIVES:g} effective "
+                 f"negatives) and learn it from there.")
+    lines.append(f"As a distillation teacher (--distill-weight) it is calibrated at logit scale "
+                 f"{r.teacher_logit_scale:.3g} on such a batch, which --reference-logit-scale auto finds on the first "
+                 f"batch; a scale far above it would teach the reference's mistakes as certainties.")
     return lines
 
 

@@ -100,6 +100,9 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
     assert 'At τ = 0.01 and batch 64' in out
     saved = json.loads((tmp_path / 'r.json').read_text())
     assert saved['batch_size'] == 64 and saved['temperature'] == 0.01
+    # the teacher's calibrated scale: that of the first batch of the drawn samples, what KD's 'auto' would use
+    assert 1 < saved['teacher_logit_scale'] < 100
+    assert f"calibrated at logit scale {saved['teacher_logit_scale']:.3g}" in out
 
 
 def test_features_command_dispatches_check(tmp_path, capsys):
