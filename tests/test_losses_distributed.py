@@ -39,8 +39,10 @@ SCENARIOS = {
     'balanced3': ('balanced', dict(balance_steps=3, reference_shift=True), (0,)),
     # the teacher's scale calibrated on the gathered first batch ('auto'), then kept
     'clip+kd': ('clip', dict(distill_weight=0.4), (0, 0)),
-    'jest': ('jest', dict(selection_ratio=0.5, num_chunks=3), (0,)),
-    'jest-topk': ('jest-topk', dict(selection_ratio=0.5, num_chunks=2), (0,)),
+    # the reference's scale given, as test_jest_selection_is_global's float64 reference takes it
+    'jest': ('jest', dict(selection_ratio=0.5, num_chunks=3, reference_logit_scale=100.0), (0,)),
+    'jest-topk': ('jest-topk', dict(selection_ratio=0.5, num_chunks=2, reference_logit_scale=100.0), (0,)),
+    'jest-auto': ('jest', dict(selection_ratio=0.5, num_chunks=2), (0, 0)),
 }
 
 
