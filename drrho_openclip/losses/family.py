@@ -170,9 +170,9 @@ def clip(o):
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
     # τ learned from 0.07 with ρ (the paper's App. C.3, as FastCLIP-v3), ρ from the batch: the setting that beat the
-    # reference-free baseline with every reference in the paper's Table 2, and `clip` at batch 64 to 512 here (README
-    # "Temperature"); the paper's main fixed τ = 0.01, tuned for batches of 5120 and strong references, lost 5.8
-    # points to FastCLIP with a weak one. Its ε.
+    # reference-free baseline with every reference in the paper's Table 2 (its main fixed τ = 0.01, tuned for batches
+    # of 5120 and strong references, lost 5.8 points to FastCLIP with a weak one), and that beats τ = 0.01 at batches
+    # of 64 to 512 here (README "Temperature", "Evidence"). The paper's ε.
     defaults=dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, **DISTILL_OPTIONS),
     inactive=lambda o: {**_global_temperature_inactive(o), **_distill_inactive(o)})
 def drrho(o):

@@ -1,0 +1,115 @@
+"""One table from the evidence runs of `replication.py` (benchmarks/results/evidence/<data>_batch<B>/, each with its
+command in command.txt): every method's zero-shot top-1 and mean recall at 100 % of the data (and 50 % where it was
+run), mean ± std over seeds, its mean recall relative to `clip`'s, and the §6.1 variance check.
+
+    python benchmarks/evidence_summary.py     # writes benchmarks/results/evidence/summary.{md,json,png}
+"""
+import json
+import sys
+from pathlib import Path
+
+EVIDENCE = Path(__file__).resolve().parent / 'results' / 'evidence'
+
+
+def load():
+    runs = {}
+    for folder in sorted(EVIDENCE.iterdir()):
+        result = folder / 'replication.json'
+        if result.is_file():
+            runs[folder.name] = json.loads(result.read_text())
+    if not runs:
+        raise SystemExit(f"no replication.json under {EVIDENCE}: run the commands in its folders' command.txt first")
+    return runs
+
+
+def ratio(summary, loss, fraction):
+    """mean recall of `loss` / `clip`'s at the same fraction (means over seeds)."""
+    base = summary.get('clip', {}).get(fraction)
+    own = summary.get(loss, {}).get(fraction)
+    if not base or not own or not base['mean_recall'][0]:
+        return None
+    return own['mean_recall'][0] / base['mean_recall'][0]
+
+
+def cell(entry, key, scale):
+    if not entry:
+        return ''
+    mean, std = entry[key]
+    return f"{scale * mean:.1f} ± {scale * std:.1f}"
+
+
+def markdown(runs) -> str:
+    lines = ["# Evidence: every method against `clip`, two datasets, two global batches", '',
+             "Zero-shot top-1 (%) and mean recall (%: the mean of image→text and text→image R@1 and R@5 over the test "
+             "split's pairs), mean ± std over 3 seeds; ×clip: mean recall over `clip`'s. Each setting's "
+             "replication.md has the details (data, model, reference, machine, per-seed values, curves).", '']
+    for name, report in runs.items():
+        config, summary = report['config'], report['summary']
+        fractions = sorted({f for per in summary.values() for f in per}, key=float)
+        lines += [f"## {report['data']['name']}, global batch {config['batch_size']}", '',
+                  f"{config['samples_seen']} samples seen per run; reference: zero-shot "
+                  f"{100 * report['reference_accuracy']:.1f} %, mean recall {report['reference_mean_recall']:.1f} %; "
+                  f"{report['machine']}.", '']
+        header = '| loss |' + ''.join(f" top-1 {100 * float(f):g} % | recall {100 * float(f):g} % | ×clip {100 * float(f):g} % |"
+                                      for f in reversed(fractions))
+        lines += [header, '|---|' + '---:|' * 3 * len(fractions)]
+        for loss, per in summary.items():
+            row = f"| {loss} |"
+            for f in reversed(fractions):
+                r = ratio(summary, loss, f)
+                row += (f" {cell(per.get(f), 'accuracy', 100)} | {cell(per.get(f), 'mean_recall', 1)} | "
+                        f"{'' if r is None else f'{r:.2f}'} |")
+            lines.append(row)
+        variance = {loss: per['1.0']['variance'] for loss, per in summary.items()
+                    if per.get('1.0', {}).get('variance')}
+        if variance:
+            lines += ['', "§6.1 variance at the trained models (100 % data): the plain loss Var ℓ(θ, z) and the RHO loss "
+                      "Var [ℓ(θ, z) − ℓ(θ_ref, z)], image / text:", '',
+                      '| loss | Var ℓ | Var (ℓ − ℓ_ref) |', '|---|---:|---:|']
+            for loss, v in variance.items():
+                lines.append(f"| {loss} | {v['plain_image'][0]:.3f} / {v['plain_text'][0]:.3f} | "
+                             f"{v['rho_image'][0]:.3f} / {v['rho_text'][0]:.3f} |")
+        lines.append('')
+    return '\n'.join(lines)
+
+
+def plot(runs, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, len(runs), figsize=(4.5 * len(runs), 7), squeeze=False)
+    for column, (name, report) in enumerate(runs.items()):
+        summary = report['summary']
+        losses = [loss for loss in summary if '1.0' in summary[loss]]
+        for row, (key, scale, label) in enumerate((('accuracy', 100, 'zero-shot top-1 (%)'),
+                                                   ('mean_recall', 1, 'mean recall (%)'))):
+            ax = axes[row][column]
+            means = [scale * summary[loss]['1.0'][key][0] for loss in losses]
+            stds = [scale * summary[loss]['1.0'][key][1] for loss in losses]
+            ax.barh(range(len(losses)), means, xerr=stds, color=['tab:red' if l.startswith('drrho') else 'tab:grey'
+                                                                  for l in losses])
+            ax.set_yticks(range(len(losses)), [l.replace(' --', '\n--') for l in losses], fontsize=6)
+            ax.set(xlabel=label, title=f"{report['data']['name']}, batch {report['config']['batch_size']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    runs = load()
+    out = {name: dict(config=r['config'], reference_accuracy=r['reference_accuracy'],
+                      reference_mean_recall=r['reference_mean_recall'], summary={
+                          loss: {f: {k: v for k, v in s.items() if k != 'curve'} for f, s in per.items()}
+                          for loss, per in r['summary'].items()},
+                      recall_vs_clip={loss: {f: ratio(r['summary'], loss, f) for f in per}
+                                      for loss, per in r['summary'].items()})
+           for name, r in runs.items()}
+    (EVIDENCE / 'summary.json').write_text(json.dumps(out, indent=1))
+    text = markdown(runs)
+    (EVIDENCE / 'summary.md').write_text(text)
+    plot(runs, EVIDENCE / 'summary.png')
+    print(text)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
