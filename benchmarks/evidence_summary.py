@@ -2,7 +2,7 @@
 command in command.txt): every method's zero-shot top-1 and mean recall at 100 % of the data (and 50 % where it was
 run), mean ± std over seeds, its mean recall relative to `clip`'s, and the §6.1 variance check.
 
-    python benchmarks/evidence_summary.py     # writes benchmarks/results/evidence/summary.{md,json,png}
+    python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
 """
 import json
 import sys
@@ -11,14 +11,14 @@ from pathlib import Path
 EVIDENCE = Path(__file__).resolve().parent / 'results' / 'evidence'
 
 
-def load():
+def load(evidence: Path):
     runs = {}
-    for folder in sorted(EVIDENCE.iterdir()):
+    for folder in sorted(evidence.iterdir()):
         result = folder / 'replication.json'
         if result.is_file():
             runs[folder.name] = json.loads(result.read_text())
     if not runs:
-        raise SystemExit(f"no replication.json under {EVIDENCE}: run the commands in its folders' command.txt first")
+        raise SystemExit(f"no replication.json under {evidence}: run the commands in its folders' command.txt first")
     return runs
 
 
@@ -94,8 +94,10 @@ def plot(runs, path):
     fig.savefig(path, dpi=110)
 
 
-def main():
-    runs = load()
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    evidence = Path(argv[0]) if argv else EVIDENCE
+    runs = load(evidence)
     out = {name: dict(config=r['config'], reference_accuracy=r['reference_accuracy'],
                       reference_mean_recall=r['reference_mean_recall'], summary={
                           loss: {f: {k: v for k, v in s.items() if k != 'curve'} for f, s in per.items()}
@@ -103,10 +105,10 @@ def main():
                       recall_vs_clip={loss: {f: ratio(r['summary'], loss, f) for f in per}
                                       for loss, per in r['summary'].items()})
            for name, r in runs.items()}
-    (EVIDENCE / 'summary.json').write_text(json.dumps(out, indent=1))
+    (evidence / 'summary.json').write_text(json.dumps(out, indent=1))
     text = markdown(runs)
-    (EVIDENCE / 'summary.md').write_text(text)
-    plot(runs, EVIDENCE / 'summary.png')
+    (evidence / 'summary.md').write_text(text)
+    plot(runs, evidence / 'summary.png')
     print(text)
     return 0
 
