@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from temperature_defaults import PRESETS, WORK, Split, features, mean_std, scores, train  # noqa: E402
+from temperature_defaults import PRESETS, features, mean_std, scores, setting, train  # noqa: E402
 
-from drrho_openclip.demo import make_split, untrained_model, write_tiny_model  # noqa: E402
 from drrho_openclip.losses.distill import calibrated_logit_scale  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / 'results' / 'distillation'
@@ -62,18 +61,7 @@ def main(argv=None):
     suffix = '_quick' if args.quick else ''
     torch.set_num_threads(min(2, os.cpu_count()))
     started = time.time()
-    pairs = preset['pairs']
-    data = WORK / f'data_{pairs}'
-    csvs = {name: data / f'{name}.csv' for name in ('reference_train', 'train', 'test')}
-    if not all(path.exists() for path in csvs.values()):
-        make_split(data, 'reference_train', preset['reference_factor'] * pairs, seed=1)
-        make_split(data, 'train', pairs, seed=2)
-        make_split(data, 'test', 400, seed=3)
-    model_name = write_tiny_model(WORK / 'tiny_model')
-    _, preprocess, tokenizer = untrained_model(model_name)
-    splits = {name: Split(csv, preprocess, tokenizer) for name, csv in csvs.items()}
-    reference_steps = preset['reference_factor'] * preset['seen'] // 128
-    reference_model, _ = train(model_name, splits['reference_train'], 'clip', {}, 128, reference_steps, seed=100)
+    model_name, tokenizer, splits, reference_model, _ = setting(preset)
     top1, recall = scores(reference_model, tokenizer, splits['test'])
     reference = features(reference_model, splits['train'])
     batch = args.batch_size

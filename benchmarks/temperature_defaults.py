@@ -228,28 +228,35 @@ def plot(report, path):
     fig.savefig(path, dpi=110)
 
 
+def setting(preset):
+    """The drawn-shapes splits (reference, train, test), the tiny model and the strong reference trained with CLIP's
+    loss: (model name, tokenizer, splits, reference model, its steps)."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    pairs = preset['pairs']
+    data = WORK / f'data_{pairs}'
+    csvs = {name: data / f'{name}.csv' for name in ('reference_train', 'train', 'test')}
+    if not all(path.exists() for path in csvs.values()):
+        make_split(data, 'reference_train', preset['reference_factor'] * pairs, seed=1)
+        make_split(data, 'train', pairs, seed=2)
+        make_split(data, 'test', 400, seed=3)
+    model_name = write_tiny_model(WORK / 'tiny_model')
+    _, preprocess, tokenizer = untrained_model(model_name)
+    splits = {name: Split(csv, preprocess, tokenizer) for name, csv in csvs.items()}
+    reference_steps = preset['reference_factor'] * preset['seen'] // 128
+    reference_model, _ = train(model_name, splits['reference_train'], 'clip', {}, 128, reference_steps, seed=100)
+    return model_name, tokenizer, splits, reference_model, reference_steps
+
+
 def main(argv=None):
     args = parse_args(argv)
     preset = PRESETS['quick' if args.quick else 'full']
     suffix = '_quick' if args.quick else ''
     torch.set_num_threads(min(2, os.cpu_count()))
     started = time.time()
-    WORK.mkdir(parents=True, exist_ok=True)
     pairs = preset['pairs']
     reference_pairs = preset['reference_factor'] * pairs
-    data = WORK / f'data_{pairs}'
-    csvs = {name: data / f'{name}.csv' for name in ('reference_train', 'train', 'test')}
-    if not all(p.exists() for p in csvs.values()):
-        make_split(data, 'reference_train', reference_pairs, seed=1)
-        make_split(data, 'train', pairs, seed=2)
-        make_split(data, 'test', 400, seed=3)
-    model_name = write_tiny_model(WORK / 'tiny_model')
-    _, preprocess, tokenizer = untrained_model(model_name)
-    splits = {name: Split(csv, preprocess, tokenizer) for name, csv in csvs.items()}
+    model_name, tokenizer, splits, reference_model, reference_steps = setting(preset)
     print(f"data: {reference_pairs} reference pairs, {pairs} training pairs, 400 test images", flush=True)
-
-    reference_steps = preset['reference_factor'] * preset['seen'] // 128
-    reference_model, _ = train(model_name, splits['reference_train'], 'clip', {}, 128, reference_steps, seed=100)
     top1, recall = scores(reference_model, tokenizer, splits['test'])
     print(f"reference: top-1 {100 * top1:.1f}%, mean recall {100 * recall:.1f}%", flush=True)
     reference = features(reference_model, splits['train'])
