@@ -1,5 +1,6 @@
 """End to end through OpenCLIP's own entry point (`python -m open_clip_train.main` / torchrun) on CPU."""
 import hashlib
+import math
 import time
 
 import open_clip
@@ -20,17 +21,26 @@ def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
     assert 'drrho-openclip: --loss drrho' in result.stderr + result.stdout
     ckpt = checkpoint(tmp_path, 'run', 2)
     log_u = ckpt['loss_state']['state.log_u_image']
-    assert log_u.shape == (64,) and torch.isfinite(log_u).all()  # every sample visited, no overflow at τ=0.01
-    # the state lives outside the model: OpenCLIP's own loader still reads the checkpoint strictly
+    assert log_u.shape == (64,) and torch.isfinite(log_u).all()  # every sample visited, no overflow
+    # the default τ, learned by the loss's Adam from 0.07, moved and is saved with the loss's state
+    tau = ckpt['loss_state']['temperature.log_tau'].exp().item()
+    assert tau != pytest.approx(0.07, rel=1e-3) and 0.001 <= tau <= 1.0
+    # the state lives outside the model: OpenCLIP's own loader still reads the checkpoint strictly; the model's
+    # logit_scale, which this loss does not read, stays frozen at its start 1/0.07
     model = open_clip.create_model(shapes['model'])
     open_clip.load_checkpoint(model, str(tmp_path / 'run' / 'checkpoints' / 'epoch_2.pt'), strict=True)
-    assert torch.equal(model.logit_scale.detach(), torch.tensor(torch.log(torch.tensor(100.0)).item()))
+    assert torch.equal(model.logit_scale.detach(), torch.tensor(math.log(1 / 0.07)))
 
 
 def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
     run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1',
                             '--ref-features', shapes['ref']))
-    assert 'loss_state' not in checkpoint(tmp_path, 'run', 1)
+    # only the learned τ is saved; with a fixed τ there is no loss state at all
+    assert set(checkpoint(tmp_path, 'run', 1)['loss_state']) == {'temperature.log_tau', 'temperature.exp_avg',
+                                                                 'temperature.exp_avg_sq'}
+    run_openclip(train_args(shapes, tmp_path, 'fixed', '--loss', 'drrho', '--gamma', '1', '--no-learn-temperature',
+                            '--ref-features', shapes['ref']))
+    assert 'loss_state' not in checkpoint(tmp_path, 'fixed', 1)
 
 
 def loss_args(shapes, name):

@@ -26,7 +26,8 @@ N = 23  # blocks of 12 + 11 rows over 2 ranks, 8 + 8 + 7 over 3
 GLOBAL_BATCH = 12
 SCENARIOS = {
     # (loss, options, epochs of the steps): γ < 1 from epoch 1 on, rows revisited (12 of 23 per step)
-    'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05), (0, 1, 1, 2)),
+    'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, learn_temperature=False),
+              (0, 1, 1, 2)),
     'isogclr': ('isogclr', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.01), (0, 1, 1, 2)),
     'isogclr-tau-only': ('isogclr', dict(gamma=1.0, lr_tau=0.01), (0, 1, 1)),  # per-sample τ, no u
 }
