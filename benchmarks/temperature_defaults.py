@@ -8,9 +8,9 @@ On the demo's drawn shapes (drrho_openclip/demo.py: data, tiny model, zero-shot 
 1. a *strong* reference: the tiny CLIP trained with CLIP's loss on a reference split 4x the target's, with 4x the
    target's steps; its features of the target split are the reference features (its evaluation transform);
 2. targets with the same compute (the same number of samples seen) at global batch 64 and 256, 3 seeds each:
-   `clip` (OpenCLIP's ClipLoss, τ learned as logit_scale by the optimiser), `drrho` with its default (the paper's
-   fixed τ = 0.01), `drrho --temperature auto` (τ chosen from the first batch, learned by the loss's own Adam; ρ from
-   the batch), `drrho` at a fixed τ = 0.07 and learned from 0.07 (the loss's own Adam), and `sogclr`'s default;
+   `clip` (OpenCLIP's ClipLoss, τ learned as logit_scale by the optimiser), `drrho` at the paper's fixed τ = 0.01,
+   `drrho --temperature auto` (τ chosen from the first batch, learned by the loss's own Adam; ρ from the batch),
+   `drrho` at a fixed τ = 0.07 and learned from 0.07 (its default: the loss's own Adam), and `sogclr`'s default;
 3. zero-shot top-1 and mean per-class recall on a test split (20 classes: colour x shape), mean ± std over seeds,
    and every learned τ's trajectory per step (from the loss's metrics; clip's from its logit_scale);
 4. lr_tau: the loss's Adam on log τ alone, on the features of the trained drrho model and the reference, for long
@@ -43,12 +43,13 @@ RESULTS = HERE / 'results' / 'temperature_defaults'
 WORK = HERE / 'results' / 'tmp' / 'temperature_defaults'
 
 # name -> (loss, options)
+FIXED_001 = 'drrho τ=0.01 fixed (the paper\'s)'
 CONFIGS = {
     'clip': ('clip', {}),
-    'drrho τ=0.01 (default)': ('drrho', {}),
+    FIXED_001: ('drrho', dict(temperature=0.01, learn_temperature=False)),
     'drrho τ auto': ('drrho', dict(temperature='auto')),
-    'drrho τ=0.07': ('drrho', dict(temperature=0.07)),
-    'drrho τ=0.07 learned': ('drrho', dict(temperature=0.07, learn_temperature=True)),
+    'drrho τ=0.07 fixed': ('drrho', dict(temperature=0.07, learn_temperature=False)),
+    'drrho τ=0.07 learned (default)': ('drrho', {}),
     'sogclr (default)': ('sogclr', {}),
 }
 LR_TAU_GRID = (0.001, 0.003, 0.01, 0.03)
@@ -274,7 +275,7 @@ def main(argv=None):
             for seed in report['seeds']:
                 model, taus = train(model_name, splits['train'], loss_name, options, batch, steps, seed, reference)
                 results.append((*scores(model, tokenizer, splits['test']), taus))
-                if name == 'drrho τ=0.01 (default)' and seed == 0:
+                if name == FIXED_001 and seed == 0:
                     trained[batch] = features(model, splits['train'])
             report['runs'][batch][name] = dict(top1=mean_std([r[0] for r in results]),
                                                recall=mean_std([r[1] for r in results]),
