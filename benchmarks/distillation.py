@@ -13,7 +13,6 @@ candidate, against how often that candidate is the positive (its in-batch accura
 benchmarks/results/distillation/ (suffix `_quick`): distillation.md, .json.
 """
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from temperature_defaults import PRESETS, features, mean_std, scores, setting, train  # noqa: E402
+from temperature_defaults import PRESETS, features, mean_std, scores, setting, train, write_report  # noqa: E402
 
 from drrho_openclip.losses.distill import calibrated_logit_scale  # noqa: E402
 
@@ -83,10 +82,7 @@ def main(argv=None):
         print(f"{name:32s} top-1 {100 * r['top1'][0]:5.1f} ± {100 * r['top1'][1]:4.1f}  "
               f"({(time.time() - started) / 60:.1f} min)", flush=True)
     report['minutes'] = (time.time() - started) / 60
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f'distillation{suffix}.json').write_text(json.dumps(report, indent=1))
-    (RESULTS / f'distillation{suffix}.md').write_text(markdown(report))
-    print(markdown(report))
+    write_report(RESULTS, f'distillation{suffix}', report, markdown(report))
     return 0
 
 

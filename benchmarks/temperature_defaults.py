@@ -178,6 +178,14 @@ def settle(trajectory):
     return first, float(tail.std() / tail.mean()), float(level)
 
 
+def write_report(directory: Path, name: str, report: dict, text: str):
+    """`name`.json (the report) and `name`.md (its tables, also printed) in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f'{name}.json').write_text(json.dumps(report, indent=1))
+    (directory / f'{name}.md').write_text(text)
+    print(text)
+
+
 def mean_std(values):
     return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
@@ -294,11 +302,8 @@ def main(argv=None):
             print(f"lr_tau {lr_tau}: batch {batch}: settles in {first} steps at τ {level:.4f}, relative std "
                   f"{100 * jitter:.2f}%", flush=True)
     report['minutes'] = (time.time() - started) / 60
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f'temperature_defaults{suffix}.json').write_text(json.dumps(report, indent=1))
-    (RESULTS / f'temperature_defaults{suffix}.md').write_text(markdown(report))
+    write_report(RESULTS, f'temperature_defaults{suffix}', report, markdown(report))
     plot(report, RESULTS / f'temperature_defaults{suffix}.png')
-    print(markdown(report))
     return 0
 
 

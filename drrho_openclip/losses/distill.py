@@ -16,13 +16,12 @@ batches, so on web-scale data at a large batch 'auto' lands near that model's ow
 
 Pure torch: anchors are this rank's rows, candidates the global batch, as in the DRO core.
 """
-import math
-
 import torch
 from torch import nn
 
 from .collectives import check_device, gather_batch
 from .registry import AUTO
+from .temperatures import log_bisection
 
 # The range of an 'auto' teacher scale: CLIP's own bounds on its learned logit_scale (1 at τ = 1; 100, OpenCLIP's clamp)
 TEACHER_SCALE_RANGE = (1.0, 100.0)
@@ -60,13 +59,11 @@ def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_
     anchors = min(ref_image.shape[0], max_anchors)
     rows = torch.cat([ref_image[:anchors] @ ref_text.T, ref_text[:anchors] @ ref_image.T])  # [2r, B]
     positives = torch.cat([rows[:anchors].diagonal(), rows[anchors:].diagonal()])
-    low_log = torch.tensor(math.log(low), dtype=torch.float64, device=rows.device)
-    high_log = torch.tensor(math.log(high), dtype=torch.float64, device=rows.device)
-    for _ in range(iterations):
-        middle = (low_log + high_log) / 2
-        expected = (torch.softmax(middle.exp() * rows, dim=1) * rows).sum(1)
-        rising = (expected - positives).mean() > 0  # past the minimum: t is too large
-        low_log, high_log = torch.where(rising, low_log, middle), torch.where(rising, middle, high_log)
+
+    def rising(t):  # past the minimum: the loss's derivative at t is positive
+        return ((torch.softmax(t * rows, dim=1) * rows).sum(1) - positives).mean() > 0
+
+    low_log, high_log = log_bisection(rising, low, high, rows.device, iterations)
     return ((low_log + high_log) / 2).exp()
 
 

@@ -107,6 +107,10 @@ def _global_temperature_inactive(o) -> dict:
     return unread
 
 
+def _global_temperature_and_distill_inactive(o) -> dict:
+    return {**_global_temperature_inactive(o), **_distill_inactive(o)}
+
+
 def _estimator_temperature_inactive(o) -> dict:
     return {} if o.rho == AUTO else {'target_negatives': "it sets an 'auto' ρ"}
 
@@ -174,7 +178,7 @@ def clip(o):
     # of 5120 and strong references, lost 5.8 points to FastCLIP with a weak one), and that beats τ = 0.01 at batches
     # of 64 to 512 here (README "Temperature", "Evidence"). The paper's ε.
     defaults=dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, **DISTILL_OPTIONS),
-    inactive=lambda o: {**_global_temperature_inactive(o), **_distill_inactive(o)})
+    inactive=_global_temperature_and_distill_inactive)
 def drrho(o):
     return _dro(o, use_reference=True)
 
@@ -196,7 +200,7 @@ def sogclr(o):
     # Adam at lr_tau (as the official lr_tau parameter group learns logit_scale)
     defaults=dict(DRO_OPTIONS, learn_temperature=True, temperature=0.07, gamma=0.2, gamma_decay_epochs=16,
                   **DISTILL_OPTIONS),
-    inactive=lambda o: {**_global_temperature_inactive(o), **_distill_inactive(o)})
+    inactive=_global_temperature_and_distill_inactive)
 def fastclip(o):
     if not o.learn_temperature:
         raise ValueError("fastclip learns τ; for a fixed τ use the loss sogclr")

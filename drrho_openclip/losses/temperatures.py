@@ -84,17 +84,26 @@ def effective_negatives(margins: torch.Tensor, tau) -> torch.Tensor:
     return torch.exp(-(log_p.exp() * log_p).sum(dim=1))
 
 
+def log_bisection(past, low: float, high: float, device, iterations: int = 40):
+    """Bisection in log x over [low, high] for the point where the monotone test `past(x)` (a 0-dim bool tensor:
+    x is at or beyond the point) turns true, on `device` without a host synchronisation (the tests stay tensors).
+    Returns the final bracket (log low, log high) as 0-dim float64 tensors."""
+    low_log = torch.tensor(math.log(low), dtype=torch.float64, device=device)
+    high_log = torch.tensor(math.log(high), dtype=torch.float64, device=device)
+    for _ in range(iterations):
+        middle = (low_log + high_log) / 2
+        beyond = past(middle.exp())
+        low_log, high_log = torch.where(beyond, low_log, middle), torch.where(beyond, middle, high_log)
+    return low_log, high_log
+
+
 def temperature_for_effective_negatives(margins: torch.Tensor, target: float, tau_min: float, tau_max: float,
                                         iterations: int = 40) -> torch.Tensor:
     """The τ in [tau_min, tau_max] at which the median anchor (row of `margins`) has `target` effective negatives,
     as a 0-dim float64 tensor: a bisection in log τ (n_eff grows with τ), on the margins' device without a host
     synchronisation. tau_max if even it spreads the median anchor over fewer, tau_min if that spreads it over more."""
-    low = torch.tensor(math.log(tau_min), dtype=torch.float64, device=margins.device)
-    high = torch.tensor(math.log(tau_max), dtype=torch.float64, device=margins.device)
-    for _ in range(iterations):
-        middle = (low + high) / 2
-        enough = effective_negatives(margins, middle.exp()).median() >= target
-        low, high = torch.where(enough, low, middle), torch.where(enough, middle, high)
+    _, high = log_bisection(lambda tau: effective_negatives(margins, tau).median() >= target, tau_min, tau_max,
+                            margins.device, iterations)
     return high.exp()
 
 
