@@ -50,8 +50,8 @@ def markdown(runs) -> str:
                   f"{config['samples_seen']} samples seen per run; reference: zero-shot "
                   f"{100 * report['reference_accuracy']:.1f} %, mean recall {report['reference_mean_recall']:.1f} %; "
                   f"{report['machine']}.", '']
-        header = '| loss |' + ''.join(f" top-1 {100 * float(f):g} % | recall {100 * float(f):g} % | ×clip {100 * float(f):g} % |"
-                                      for f in reversed(fractions))
+        header = '| loss |' + ''.join(f" top-1 {p:g} % | recall {p:g} % | ×clip {p:g} % |"
+                                      for p in (100 * float(f) for f in reversed(fractions)))
         lines += [header, '|---|' + '---:|' * 3 * len(fractions)]
         for loss, per in summary.items():
             row = f"| {loss} |"
@@ -63,8 +63,8 @@ def markdown(runs) -> str:
         variance = {loss: per['1.0']['variance'] for loss, per in summary.items()
                     if per.get('1.0', {}).get('variance')}
         if variance:
-            lines += ['', "§6.1 variance at the trained models (100 % data): the plain loss Var ℓ(θ, z) and the RHO loss "
-                      "Var [ℓ(θ, z) − ℓ(θ_ref, z)], image / text:", '',
+            lines += ['', "§6.1 variance at the trained models (100 % data): the plain loss Var ℓ(θ, z) and the RHO "
+                      "loss Var [ℓ(θ, z) − ℓ(θ_ref, z)], image / text:", '',
                       '| loss | Var ℓ | Var (ℓ − ℓ_ref) |', '|---|---:|---:|']
             for loss, v in variance.items():
                 lines.append(f"| {loss} | {v['plain_image'][0]:.3f} / {v['plain_text'][0]:.3f} | "
