@@ -104,6 +104,47 @@ def test_adam_temperature_gradient_is_the_papers(name):
         log_tau = temperature.log_tau.item()
 
 
+
+def test_global_tau_steps_on_this_batchs_objective_not_on_stale_state():
+    """With γ < 1 a sample's u is from its last visit. The global τ's gradient is still that of this batch's
+    objective (u = g), mean_i [τ log(ε + g_i) + τ log(ε + g'_i)] + 2ρτ, whose τ-derivative is ρ − KL(p_i ‖ uniform)
+    of this batch's weights: the u-based one overstates it while the model improves, and ran τ down to its bound."""
+    n, eps, rho, lr, tau0, gamma = 6, 1e-3, 0.7, 0.02, 0.05, 0.3
+    g = torch.Generator().manual_seed(11)
+    loss = create_loss('drrho', num_samples=n, gamma=gamma, gamma_decay_epochs=1, epsilon=eps, rho=rho,
+                       temperature=tau0, lr_tau=lr, learn_temperature=True).double()
+    first = batch(g, n)
+    call(loss, *first)  # epoch 0: γ = 1, u = g of this batch
+    log_tau = loss.temperature.log_tau.item()
+    loss.set_epoch(1)  # γ = 0.3: the revisit's u mixes the first visit's g with this one's
+    second = batch(g, n)
+    call(loss, *second)
+
+    def directions(image, text, ref_image, ref_text):
+        return shifted_loss(image, text, ref_image, ref_text), shifted_loss(text, image, ref_text, ref_image)
+
+    def gradient(at_log_tau, now, before=None):
+        """∂/∂log τ of the batch objective of `now`; with `before`, of the SogCLR estimate whose u mixes the g of
+        `before` (at τ0, its visit) with that of `now`: value log(ε + u), gradient ∇g / (ε + u)."""
+        leaf = torch.tensor(at_log_tau, **F64, requires_grad=True)
+        tau = leaf.exp()
+        objective = 2 * tau * rho
+        for side, ell in enumerate(directions(*now)):
+            g_now = inner_mean(ell.detach(), tau)
+            if before is None:
+                objective = objective + tau * torch.log(eps + g_now)
+                continue
+            g_before = inner_mean(directions(*before)[side].detach(), torch.tensor(tau0, **F64))
+            u = ((1 - gamma) * g_before + gamma * g_now).detach()
+            objective = objective + tau * (torch.log(eps + u) + (g_now - g_now.detach()) / (eps + u))
+        return torch.autograd.grad(objective.mean(), leaf)[0].item()
+
+    g1, g2 = gradient(math.log(tau0), first), gradient(log_tau, second)
+    state_gradient = gradient(log_tau, second, before=first)
+    assert loss.temperature.exp_avg.item() == pytest.approx(0.9 * g1 + 0.1 * g2, rel=1e-9)
+    assert loss.temperature.exp_avg_sq.item() == pytest.approx(0.999 * g1 ** 2 + 0.001 * g2 ** 2, rel=1e-9)
+    assert abs(state_gradient - g2) > 0.05 * abs(g2)  # the two forms differ here: the test tells them apart
+
 def consistent_objective(temperature, slope):
     """A per-anchor objective slope·log τ through the temperature's leaf: its gradient is `slope`, every step."""
     tau, _ = temperature(image_features=torch.zeros(4, 2))

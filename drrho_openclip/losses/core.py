@@ -28,7 +28,7 @@ from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
 from .precision import HALF_DTYPES, at_least_float32, autocast_disabled, elementwise_dtype
 from .state import MovingAverageState, SampleSharding, per_sample_tables
-from .temperatures import rho_for_batch
+from .temperatures import LearnedTemperature, rho_for_batch
 from .tiled import negative_weight_entropy
 
 
@@ -204,8 +204,18 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                           + tau_text * sogclr_estimate(log_g_text, log_u_text, log_eps)
                           + rho * (tau_image + tau_text))
             loss = per_anchor.mean()
-            if not accum_step and hasattr(self.temperature, 'step'):
-                self.temperature.step(per_anchor)
+            if not accum_step and isinstance(self.temperature, LearnedTemperature):
+                # the global τ steps on this batch's objective (u = g), not on the u-based one: its τ-derivative
+                # ρ − KL(p_i ‖ uniform) then measures the weights this batch actually has, so τ settles where ρ
+                # puts it (k effective negatives for ρ = auto). With u, a sample's u is from its last visit; while
+                # the model improves, u > g on every revisit, and log(ε + u) − (g/(ε + u))·E_p[ℓ/τ] overstates the
+                # derivative by more the smaller τ is: on a small dataset trained for epochs, τ ran down to τ_min
+                # (effective negatives 1).
+                log_eps_g = torch.full_like(log_g_image, log_eps)
+                self.temperature.step(tau_image * torch.logaddexp(log_g_image, log_eps_g)
+                                      + tau_text * torch.logaddexp(log_g_text, log_eps_g) + rho * (tau_image + tau_text))
+            elif not accum_step and hasattr(self.temperature, 'step'):
+                self.temperature.step(per_anchor)  # iSogCLR's per-sample τ_i: the paper's estimator, with u_i
             losses = {'contrastive_loss': loss}
             # what metrics() needs, detached; the features are kept (not the b×B matrices): O((b + B)·d) memory
             detached = [x.detach() for x in (image, text, all_image, all_text, inv_tau_image, inv_tau_text)]

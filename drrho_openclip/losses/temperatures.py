@@ -121,8 +121,9 @@ class LearnedTemperature(nn.Module):
     τ starts at `tau_init`, or, with `tau_init=None` ('auto'), at the first call's
     `temperature_for_effective_negatives` of the global batch's reference margins for `target_negatives`: every
     rank computes it from the same gathered features, so every rank starts from the same τ. Once per optimiser step
-    the core calls `step(objective)`: G = ∂ mean(objective)/∂ log τ by autograd on the leaf `forward` handed out,
-    averaged over ranks (one scalar all-reduce), then
+    the core calls `step(objective)` with the batch's per-anchor objective (its mini-batch form, u = g: see the core):
+    G = ∂ mean(objective)/∂ log τ by autograd on the leaf `forward` handed out, averaged over ranks (one scalar
+    all-reduce), then
 
         m ← β1 m + (1−β1) G,   v ← β2 v + (1−β2) G²,   log τ ← clip(log τ − lr · m / (√v + eps), log τ_min, log τ_max)
 
