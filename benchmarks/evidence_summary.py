@@ -46,8 +46,10 @@ def markdown(runs) -> str:
     for name, report in runs.items():
         config, summary = report['config'], report['summary']
         fractions = sorted({f for per in summary.values() for f in per}, key=float)
-        lines += [f"## {report['data']['name']}, global batch {config['batch_size']}", '',
-                  f"{config['samples_seen']} samples seen per run; reference: zero-shot "
+        lines += [f"## {name}: {report['data']['name']}, global batch {config['batch_size']}", '',
+                  f"{config['samples_seen']} samples seen per run; reference"
+                  + (f" ({report['reference_description']})" if 'reference_description' in report else '') +
+                  f": zero-shot "
                   f"{100 * report['reference_accuracy']:.1f} %, mean recall {report['reference_mean_recall']:.1f} %; "
                   f"{report['machine']}.", '']
         header = '| loss |' + ''.join(f" top-1 {p:g} % | recall {p:g} % | ×clip {p:g} % |"
@@ -89,7 +91,8 @@ def plot(runs, path):
             ax.barh(range(len(losses)), means, xerr=stds, color=['tab:red' if l.startswith('drrho') else 'tab:grey'
                                                                   for l in losses])
             ax.set_yticks(range(len(losses)), [l.replace(' --', '\n--') for l in losses], fontsize=6)
-            ax.set(xlabel=label, title=f"{report['data']['name']}, batch {report['config']['batch_size']}")
+            ax.set_xlabel(label)
+            ax.set_title(name.replace('_', ' '), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

