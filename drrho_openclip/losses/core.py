@@ -200,22 +200,23 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                                                      inv_tau_text, shift, self.negative_log_weight)
             log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
             rho = rho_for_batch(all_text.shape[0], self.target_negatives) if self.rho is None else self.rho
-            per_anchor = (tau_image * sogclr_estimate(log_g_image, log_u_image, log_eps)
-                          + tau_text * sogclr_estimate(log_g_text, log_u_text, log_eps)
-                          + rho * (tau_image + tau_text))
+
+            def objective(log_u_image, log_u_text):  # per anchor, both directions
+                return (tau_image * sogclr_estimate(log_g_image, log_u_image, log_eps)
+                        + tau_text * sogclr_estimate(log_g_text, log_u_text, log_eps)
+                        + rho * (tau_image + tau_text))
+            per_anchor = objective(log_u_image, log_u_text)
             loss = per_anchor.mean()
-            if not accum_step and isinstance(self.temperature, LearnedTemperature):
+            if not accum_step and hasattr(self.temperature, 'step'):
                 # the global τ steps on this batch's objective (u = g), not on the u-based one: its τ-derivative
                 # ρ − KL(p_i ‖ uniform) then measures the weights this batch actually has, so τ settles where ρ
                 # puts it (k effective negatives for ρ = auto). With u, a sample's u is from its last visit; while
                 # the model improves, u > g on every revisit, and log(ε + u) − (g/(ε + u))·E_p[ℓ/τ] overstates the
                 # derivative by more the smaller τ is: on a small dataset trained for epochs, τ ran down to τ_min
-                # (effective negatives 1).
-                log_eps_g = torch.full_like(log_g_image, log_eps)
-                self.temperature.step(tau_image * torch.logaddexp(log_g_image, log_eps_g)
-                                      + tau_text * torch.logaddexp(log_g_text, log_eps_g) + rho * (tau_image + tau_text))
-            elif not accum_step and hasattr(self.temperature, 'step'):
-                self.temperature.step(per_anchor)  # iSogCLR's per-sample τ_i: the paper's estimator, with u_i
+                # (effective negatives 1). iSogCLR's per-sample τ_i keep the paper's estimator, with u_i.
+                batch_objective = isinstance(self.temperature, LearnedTemperature)
+                self.temperature.step(objective(log_g_image.detach(), log_g_text.detach()) if batch_objective
+                                      else per_anchor)
             losses = {'contrastive_loss': loss}
             # what metrics() needs, detached; the features are kept (not the b×B matrices): O((b + B)·d) memory
             detached = [x.detach() for x in (image, text, all_image, all_text, inv_tau_image, inv_tau_text)]
