@@ -111,6 +111,8 @@ class PretrainedReference:
         means over these pairs are subtracted first, so that the projections see centred inputs."""
         import torch
         import torch.nn.functional as F
+        from drrho_openclip.losses import create_loss
+        clip_loss = create_loss('clip')
         image = torch.from_numpy(self.image_features(images)).float()
         text = torch.from_numpy(self.text_features(captions)).float()
         g = torch.Generator().manual_seed(seed)
@@ -121,13 +123,10 @@ class PretrainedReference:
         log_scale = torch.nn.Parameter(torch.tensor(float(np.log(1 / 0.07))))
         params = [*image_proj.parameters(), *text_proj.parameters(), log_scale]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
-        target = torch.arange(batch_size)
         for _ in range(steps):
             pick = torch.randperm(image.shape[0], generator=g)[:batch_size]
-            i = F.normalize(image_proj(image[pick] - image_mean), dim=-1)
-            t = F.normalize(text_proj(text[pick] - text_mean), dim=-1)
-            logits = log_scale.exp().clamp(max=100) * i @ t.T
-            loss = (F.cross_entropy(logits, target[:len(pick)]) + F.cross_entropy(logits.T, target[:len(pick)])) / 2
+            loss = clip_loss(F.normalize(image_proj(image[pick] - image_mean), dim=-1),
+                             F.normalize(text_proj(text[pick] - text_mean), dim=-1), log_scale.exp().clamp(max=100))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -514,10 +514,15 @@ def heldout_retrieval(model, images, texts) -> dict:
     pair counts as retrieved when its own caption, or its own image, ranks among the top k), and `mean_recall`, the
     mean of the four. `texts` = (distinct captions tokenized, each pair's index into them): identical captions get
     identical features, so they tie exactly, and a tie does not rank above the pair's own caption."""
-    from drrho_openclip.reference_check import retrieval
     tokens, index = texts
     image_features, text_features = _features(model, images, tokens)
-    recall = retrieval(image_features.double(), text_features[index].double())
+    return recall_with_mean(image_features, text_features[index])
+
+
+def recall_with_mean(image_features, text_features) -> dict:
+    """R@1 and R@5 both ways of the pairs (image_features[i], text_features[i]), and `mean_recall`, their mean."""
+    from drrho_openclip.reference_check import retrieval
+    recall = retrieval(image_features.double(), text_features.double())
     return dict(recall, mean_recall=float(np.mean(list(recall.values()))))
 
 
@@ -902,6 +907,11 @@ def work_folder(args) -> Path:
     return Path(args.workdir).resolve() / 'by-output' / re.sub(r'[^A-Za-z0-9._-]+', '_', tag).strip('_') / mode
 
 
+def _reference_line(ref: dict, next_step: str) -> str:
+    return (f"      reference zero-shot top-1 {ref['accuracy']:.1%}" +
+            (f", mean recall {ref['mean_recall']:.1f}%" if 'mean_recall' in ref else '') + f"; {next_step}")
+
+
 def clip_reference(args, pool, common, model, ref_data, subsets, train_full, work, logs):
     """Stage 1 with `--reference clip`: train the target's model with --loss clip on the reference split and
     precompute its features. Returns (its evaluation, {fraction: store}, its checkpoint for the variance check)."""
@@ -915,9 +925,7 @@ def clip_reference(args, pool, common, model, ref_data, subsets, train_full, wor
     if 'error' in ref:
         raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
     ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{args.ref_epochs}.pt"
-    print(f"      reference zero-shot top-1 {ref['accuracy']:.1%}" +
-          (f", mean recall {ref['mean_recall']:.1f}%" if 'mean_recall' in ref else '') +
-          "; precomputing its features", flush=True)
+    print(_reference_line(ref, 'precomputing its features'), flush=True)
     if train_full.is_csv:  # a store describes one CSV file row by row: one per subset
         stores = {f: work / f'ref_features_{round(f * 100):03d}' for f in fractions}
         sources = {stores[f]: subsets[f] for f in fractions}
@@ -934,9 +942,8 @@ def clip_reference(args, pool, common, model, ref_data, subsets, train_full, wor
 def pretrained_reference(args, ref_data, test_data, classes, subsets, work):
     """Stage 1 with `--reference pretrained`: fit the projections of the frozen pretrained towers on the reference
     split, evaluate them, and import their features of each target subset as a store. Returns (its evaluation,
-    {fraction: store}, an .npz of its features of the variance set: the 100% subset)."""
+    {fraction: store}, the .npz of its features of the variance set: the 100% subset's import input)."""
     import torch
-    from drrho_openclip.reference_check import retrieval
     from drrho_openclip.store_import import main as import_store
     sys.path.insert(0, str(HERE))
     from pretrained_reference import PretrainedReference
@@ -953,28 +960,22 @@ def pretrained_reference(args, ref_data, test_data, classes, subsets, work):
     ref = dict(accuracy=accuracy, curve=[(steps * PRETRAINED_REFERENCE_BATCH, accuracy)], test_images=len(labels),
                test_majority=float(torch.tensor(labels).bincount().max()) / len(labels))
     if all(c is not None for c in captions):
-        image_features, text_features = reference.encode(images, captions)
-        ref['retrieval'] = retrieval(image_features.double(), text_features.double())
-        ref['mean_recall'] = float(np.mean(list(ref['retrieval'].values())))
-    print(f"      reference zero-shot top-1 {accuracy:.1%}" +
-          (f", mean recall {ref['mean_recall']:.1f}%" if 'mean_recall' in ref else '') +
-          "; importing its features", flush=True)
-    stores = {}
+        ref['retrieval'] = recall_with_mean(*reference.encode(images, captions))
+        ref['mean_recall'] = ref['retrieval'].pop('mean_recall')
+    print(_reference_line(ref, 'importing its features'), flush=True)
+    stores, features = {}, {}
     for fraction, subset in subsets.items():
         image_features, text_features = reference.encode(*zip(*subset.samples(len(subset), with_text=True)))
         inputs = work / f'ref_import_{round(fraction * 100):03d}'
         inputs.mkdir()
-        np.savez(inputs / f"{Path(subset.spec).name.split('.')[0]}.npz", image_features=image_features.numpy(),
-                 text_features=text_features.numpy())
+        features[fraction] = inputs / f"{Path(subset.spec).name.split('.')[0]}.npz"
+        np.savez(features[fraction], image_features=image_features.numpy(), text_features=text_features.numpy())
         stores[fraction] = work / f'ref_features_{round(fraction * 100):03d}'
         if import_store([str(inputs), '--train-data', subset.spec, '--output', str(stores[fraction]),
                          '--csv-separator', args.csv_separator, '--csv-img-key', args.csv_img_key,
                          '--csv-caption-key', args.csv_caption_key, '--model', 'pretrained towers (LiT)']):
             raise SystemExit(f"importing the reference's features of {subset.spec} failed")
-        if fraction == 1.0:
-            variance = inputs / 'variance_reference.npz'
-            np.savez(variance, image_features=image_features.numpy(), text_features=text_features.numpy())
-    return ref, stores, str(variance)
+    return ref, stores, str(features[1.0])
 
 
 def main(argv=None):
