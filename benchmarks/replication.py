@@ -43,7 +43,8 @@ spends its time training rather than starting Python; in those processes OpenCLI
 kernel (the same update; the default per-parameter loop over the 3.2M-entry token embedding is otherwise most of the
 tiny model's step). The quick mode is a pipeline check: 48 steps per target leave the accuracies near 20% with a
 spread of several points over seeds. Outputs, in `benchmarks/results/replication/` (suffix `_quick` for
---quick): `replication.md` (tables), `replication.json` (every curve), `accuracy_vs_samples.png`,
+--quick): `replication.md` (tables), `replication.json` (every curve and τ trajectory), `accuracy_vs_samples.png`,
+`temperature_vs_steps.png` (every learned τ per logged step),
 `scaling_input.csv` (input for benchmarks/scaling_law.py); `--output` puts them elsewhere, so that runs go side by
 side (one folder per dataset and batch size, say). Data, logs and checkpoints go to
 `benchmarks/results/tmp/replication/` (`by-output/<output>/` under it for another --output; checkpoints are deleted
@@ -573,6 +574,30 @@ def _reference_features(task, images, texts):
     return _features(_load(task['model'], task['reference'])[0], images, texts)
 
 
+TRAIN_LINE = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/')
+NUMBER = r'([-+0-9.eE]+)'
+
+
+def temperature_trajectory(console: str, batch_size: int, steps_per_epoch: int) -> list:
+    """[step, τ, effective negatives or None] at each step OpenCLIP logged: the DRO losses' τ (the mean, for a
+    per-sample τ) and effective negatives from their logged metrics, else 1/logit_scale (clip's learned τ)."""
+    trajectory = []
+    for line in console.splitlines():
+        train = TRAIN_LINE.search(line)
+        if train:
+            step = int(train.group(1)) * steps_per_epoch + int(train.group(2)) // batch_size
+            scale = re.search(r'Logit Scale: ' + NUMBER, line)
+            trajectory.append([step, 1.0 / float(scale.group(1)) if scale else None, None])
+        elif 'Loss metrics:' in line and trajectory:
+            tau = re.search(r'tau_image_mean: ' + NUMBER, line)
+            negatives = re.search(r'effective_negatives: ' + NUMBER, line)
+            if tau:
+                trajectory[-1][1] = float(tau.group(1))
+            if negatives:
+                trajectory[-1][2] = float(negatives.group(1))
+    return [point for point in trajectory if point[1] is not None]
+
+
 def run_task(task: dict) -> dict:
     """Train one run with `open_clip_train.main` in this process, then evaluate every epoch's checkpoint."""
     from drrho_openclip.demo import zero_shot_accuracy
@@ -627,7 +652,9 @@ def run_task(task: dict) -> dict:
         if not task.get('keep_checkpoints'):
             checkpoint.unlink()
     result.update(curve=curve, accuracy=curve[-1][1], test_images=len(labels),
-                  test_majority=float(labels.bincount().max()) / len(labels))
+                  test_majority=float(labels.bincount().max()) / len(labels),
+                  temperature=temperature_trajectory(console.read_text(), task['batch_size'],
+                                                     task['samples_per_epoch'] // task['batch_size']))
     return result
 
 
@@ -748,11 +775,26 @@ def summarize(runs, losses, fractions=FRACTIONS):
                                   'std': curves.std(0, ddof=min(1, len(done) - 1)).tolist()}
                 if 'variance' in done[0]:
                     entry['variance'] = {k: mean_std([r['variance'][k] for r in done]) for k in done[0]['variance']}
+                if done[0].get('temperature'):
+                    entry['temperature'] = summarize_temperature([r['temperature'] for r in done])
                 if 'retrieval' in done[0]:
                     entry['mean_recall'] = mean_std([r['mean_recall'] for r in done])
                     entry['retrieval'] = {k: mean_std([r['retrieval'][k] for r in done]) for k in done[0]['retrieval']}
             table.setdefault(loss, {})[str(fraction)] = entry
     return table
+
+
+def summarize_temperature(trajectories) -> dict:
+    """τ per logged step (mean over seeds, at the steps every seed logged), and its start and end, mean ± std."""
+    steps = sorted(set.intersection(*({step for step, _, _ in t} for t in trajectories)))
+    by_step = [{step: (tau, negatives) for step, tau, negatives in t} for t in trajectories]
+    taus = np.array([[run[step][0] for step in steps] for run in by_step])
+    entry = {'steps': steps, 'mean': taus.mean(0).tolist(), 'start': mean_std(taus[:, 0]),
+             'end': mean_std(taus[:, -1])}
+    last_negatives = [run[steps[-1]][1] for run in by_step]
+    if None not in last_negatives:
+        entry['effective_negatives_end'] = mean_std(last_negatives)
+    return entry
 
 
 def fmt(ms, scale=100.0, digits=1):
@@ -833,6 +875,17 @@ def markdown(report) -> str:
         if v:
             lines.append(f"| {loss} | " + ' | '.join(fmt(v[k], 1, 3) for k in
                                                     ('plain_image', 'plain_text', 'rho_image', 'rho_text')) + ' |')
+    temperatures = {loss: per_fraction['1.0']['temperature'] for loss, per_fraction in s.items()
+                    if 'temperature' in per_fraction['1.0']}
+    if temperatures:
+        lines += ['', "## Temperature (100% data)", '',
+                  "τ at the first and last logged step (clip: 1/logit_scale), and the effective negatives per anchor "
+                  "at the last (exp of the entropy of its DRO weights, mean over anchors); mean ± std over seeds. "
+                  "Trajectories: temperature_vs_steps.png.", '',
+                  '| loss | τ start | τ end | effective negatives at the end |', '|---|---:|---:|---:|']
+        for loss, t in temperatures.items():
+            negatives = fmt(t['effective_negatives_end'], 1) if 'effective_negatives_end' in t else '–'
+            lines.append(f"| {loss} | {fmt(t['start'], 1, 4)} | {fmt(t['end'], 1, 4)} | {negatives} |")
     if report['not_run']:
         lines += ['', '## Runs that did not complete', ''] + [f"- {k}: {v}" for k, v in report['not_run'].items()]
     return '\n'.join(lines) + '\n'
@@ -872,6 +925,27 @@ def plot(report, path: Path):
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(f"Zero-shot top-1 vs samples seen, mean ± std over {len(report['config']['seeds'])} seeds "
                  f"({report['data']['name']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_temperature(report, path: Path):
+    """τ per step of every loss at 100% data, mean over seeds."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for loss, per_fraction in report['summary'].items():
+        t = per_fraction['1.0'].get('temperature')
+        if t:
+            ax.plot(t['steps'], t['mean'], label=loss, lw=1.2)
+    ax.set_yscale('log')
+    ax.set_xlabel('step')
+    ax.set_ylabel('τ (mean over seeds)')
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(fontsize=7)
+    ax.set_title(f"Temperature per step ({report['data']['name']}, batch {report['config']['batch_size']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1101,11 +1175,13 @@ def main(argv=None):
     (out / f'replication{suffix}.json').write_text(json.dumps(report, indent=1))
     (out / f'replication{suffix}.md').write_text(markdown(report))
     plot(report, out / f'accuracy_vs_samples{suffix}.png')
+    plot_temperature(report, out / f'temperature_vs_steps{suffix}.png')
     sys.path.insert(0, str(HERE))
     from scaling_law import gflops_per_sample, write_rows
     write_rows(scaling_rows(report, gflops_per_sample(model)), out / f'scaling_input{suffix}.csv')
     print(markdown(report))
-    print(f"wrote {out}/replication{suffix}.{{md,json}}, accuracy_vs_samples{suffix}.png, scaling_input{suffix}.csv "
+    print(f"wrote {out}/replication{suffix}.{{md,json}}, accuracy_vs_samples{suffix}.png, "
+          f"temperature_vs_steps{suffix}.png, scaling_input{suffix}.csv "
           f"in {(time.time() - start) / 60:.1f} min")
     return 0
 

