@@ -105,14 +105,16 @@ def test_adam_temperature_gradient_is_the_papers(name):
 
 
 
-def test_global_tau_steps_on_this_batchs_objective_not_on_stale_state():
-    """With γ < 1 a sample's u is from its last visit. The global τ's gradient is still that of this batch's
-    objective (u = g), mean_i [τ log(ε + g_i) + τ log(ε + g'_i)] + 2ρτ, whose τ-derivative is ρ − KL(p_i ‖ uniform)
-    of this batch's weights: the u-based one overstates it while the model improves, and ran τ down to its bound."""
+@pytest.mark.parametrize('tau_objective', ['estimator', 'batch'])
+def test_global_tau_steps_on_the_chosen_objective(tau_objective):
+    """With γ < 1 a sample's u is from its last visit. By default (the paper's) the global τ's gradient is that of
+    the SogCLR estimate with u; with tau_objective 'batch' it is that of this batch's objective (u = g),
+    mean_i [τ log(ε + g_i) + τ log(ε + g'_i)] + 2ρτ, whose τ-derivative is ρ − KL(p_i ‖ uniform) of this batch's
+    weights. The u-based one overstates it while the model improves, which keeps lowering τ."""
     n, eps, rho, lr, tau0, gamma = 6, 1e-3, 0.7, 0.02, 0.05, 0.3
     g = torch.Generator().manual_seed(11)
     loss = create_loss('drrho', num_samples=n, gamma=gamma, gamma_decay_epochs=1, epsilon=eps, rho=rho,
-                       temperature=tau0, lr_tau=lr, learn_temperature=True).double()
+                       temperature=tau0, lr_tau=lr, learn_temperature=True, tau_objective=tau_objective).double()
     first = batch(g, n)
     call(loss, *first)  # epoch 0: γ = 1, u = g of this batch
     log_tau = loss.temperature.log_tau.item()
@@ -139,11 +141,12 @@ def test_global_tau_steps_on_this_batchs_objective_not_on_stale_state():
             objective = objective + tau * (torch.log(eps + u) + (g_now - g_now.detach()) / (eps + u))
         return torch.autograd.grad(objective.mean(), leaf)[0].item()
 
-    g1, g2 = gradient(math.log(tau0), first), gradient(log_tau, second)
-    state_gradient = gradient(log_tau, second, before=first)
+    g1 = gradient(math.log(tau0), first)  # the first visit: u = g either way
+    batch_gradient, state_gradient = gradient(log_tau, second), gradient(log_tau, second, before=first)
+    g2 = batch_gradient if tau_objective == 'batch' else state_gradient
     assert loss.temperature.exp_avg.item() == pytest.approx(0.9 * g1 + 0.1 * g2, rel=1e-9)
     assert loss.temperature.exp_avg_sq.item() == pytest.approx(0.999 * g1 ** 2 + 0.001 * g2 ** 2, rel=1e-9)
-    assert abs(state_gradient - g2) > 0.05 * abs(g2)  # the two forms differ here: the test tells them apart
+    assert abs(state_gradient - batch_gradient) > 0.05 * abs(g2)  # the two forms differ here: the test tells them apart
 
 def consistent_objective(temperature, slope):
     """A per-anchor objective slope·log τ through the temperature's leaf: its gradient is `slope`, every step."""

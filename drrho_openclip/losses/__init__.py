@@ -14,8 +14,8 @@ and constants are registered buffers: `loss.to(device)` puts all of it on the fe
 computes and communicates.
 """
 from .core import DROContrastiveLoss
-from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TEMPERATURE_OPTIMIZERS, create_loss, float_or_auto,
-                       get_loss_spec, inactive_options, list_losses, loss_options, option_names, register_loss)
+from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
+                       float_or_auto, get_loss_spec, inactive_options, list_losses, loss_options, option_names, register_loss)
 from .state import STATE_LAYOUTS, MovingAverageState, load_state_shards, per_sample_tables, save_state_shards
 from .temperatures import (FixedTemperature, LearnedTemperature, LogitScaleTemperature, PerSampleTemperature,
                            TempNetTemperature, attach_to_model, effective_negatives, reference_margins, rho_for_batch,
@@ -28,6 +28,6 @@ __all__ = [
     'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'per_sample_tables',
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',
     'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'load_state_shards', 'save_state_shards',
-    'AUTO', 'OPTION_HELP', 'OPTION_TYPES', 'TEMPERATURE_OPTIMIZERS', 'create_loss', 'float_or_auto', 'get_loss_spec', 'inactive_options',
-    'list_losses', 'loss_options', 'option_names', 'register_loss',
+    'AUTO', 'OPTION_HELP', 'OPTION_TYPES', 'TAU_OBJECTIVES', 'TEMPERATURE_OPTIMIZERS', 'create_loss', 'float_or_auto',
+    'get_loss_spec', 'inactive_options', 'list_losses', 'loss_options', 'option_names', 'register_loss',
 ]

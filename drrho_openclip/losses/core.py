@@ -28,7 +28,7 @@ from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
 from .precision import HALF_DTYPES, at_least_float32, autocast_disabled, elementwise_dtype
 from .state import MovingAverageState, SampleSharding, per_sample_tables
-from .temperatures import LearnedTemperature, rho_for_batch
+from .temperatures import rho_for_batch
 from .tiled import negative_weight_entropy
 
 
@@ -208,14 +208,14 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             per_anchor = objective(log_u_image, log_u_text)
             loss = per_anchor.mean()
             if not accum_step and hasattr(self.temperature, 'step'):
-                # the global τ steps on this batch's objective (u = g), not on the u-based one: its τ-derivative
-                # ρ − KL(p_i ‖ uniform) then measures the weights this batch actually has, so τ settles where ρ
-                # puts it (k effective negatives for ρ = auto). With u, a sample's u is from its last visit; while
-                # the model improves, u > g on every revisit, and log(ε + u) − (g/(ε + u))·E_p[ℓ/τ] overstates the
-                # derivative by more the smaller τ is: on a small dataset trained for epochs, τ ran down to τ_min
-                # (effective negatives 1). iSogCLR's per-sample τ_i keep the paper's estimator, with u_i.
-                batch_objective = isinstance(self.temperature, LearnedTemperature)
-                self.temperature.step(objective(log_g_image.detach(), log_g_text.detach()) if batch_objective
+                # By default τ steps on the estimate with u, as the paper's does. A sample's u is from its last
+                # visit; while the model improves, u > g on every revisit, and log(ε + u) − (g/(ε + u))·E_p[ℓ/τ]
+                # overstates the τ-derivative by more the smaller τ is, so τ keeps falling (an annealing that
+                # measured better at short runs; on small data trained for many epochs it reaches τ_min). On this
+                # batch's objective (u = g) the derivative is ρ − KL(p_i ‖ uniform) of the weights the batch has,
+                # and τ settles where ρ puts it (k effective negatives for ρ = auto).
+                on_batch = getattr(self.temperature, 'steps_on_batch', False)
+                self.temperature.step(objective(log_g_image.detach(), log_g_text.detach()) if on_batch
                                       else per_anchor)
             losses = {'contrastive_loss': loss}
             # what metrics() needs, detached; the features are kept (not the b×B matrices): O((b + B)·d) memory

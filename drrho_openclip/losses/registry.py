@@ -35,6 +35,8 @@ def float_or_auto(text):
 OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto, reference_logit_scale=float_or_auto)
 # What learns a learned global τ: the loss's own Adam on log τ, or the model's logit_scale
 TEMPERATURE_OPTIMIZERS = ('loss', 'model')
+# What a global τ learned by the loss's own Adam steps on: the SogCLR estimate with u, or this batch's objective
+TAU_OBJECTIVES = ('estimator', 'batch')
 
 OPTION_HELP = dict(
     temperature="τ: fixed, its initial value when learned, or 'auto': chosen from the first batch's reference margins "
@@ -43,6 +45,9 @@ OPTION_HELP = dict(
     temperature_optimizer="what learns a learned global τ: 'loss' (the loss's own Adam on log τ with --lr-tau, "
                           "bounded by --tau-min/--tau-max) or 'model' (the model's logit_scale, by OpenCLIP's "
                           "optimiser at the model's learning rate)",
+    tau_objective="what the loss's Adam on log τ steps on: 'estimator' (the paper's SogCLR estimate with each sample's "
+                  "u; while the model improves u > g and τ keeps falling, which measured best at batch 64) or 'batch' "
+                  "(this batch's own objective, u = g: τ settles where ρ keeps --target-negatives effective negatives)",
     rho="ρ of the KL-constrained DRO (the + ρτ term per direction), with a learned τ; 'auto': log((B − 1)/k) for "
         "the global batch B and k = --target-negatives, where a learned τ spreads each anchor's weight over k "
         "negatives",

@@ -121,7 +121,8 @@ class LearnedTemperature(nn.Module):
     τ starts at `tau_init`, or, with `tau_init=None` ('auto'), at the first call's
     `temperature_for_effective_negatives` of the global batch's reference margins for `target_negatives`: every
     rank computes it from the same gathered features, so every rank starts from the same τ. Once per optimiser step
-    the core calls `step(objective)` with the batch's per-anchor objective (its mini-batch form, u = g: see the core):
+    the core calls `step(objective)` with the batch's per-anchor objective: the SogCLR estimate with each sample's u
+    (the paper's), or with `steps_on_batch` its mini-batch form, u = g (see the core).
     G = ∂ mean(objective)/∂ log τ by autograd on the leaf `forward` handed out, averaged over ranks (one scalar
     all-reduce), then
 
@@ -133,7 +134,8 @@ class LearnedTemperature(nn.Module):
     """
 
     def __init__(self, tau_init, tau_min: float, tau_max: float, lr: float, target_negatives: float = 8,
-                 world_size: int = 1, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
+                 world_size: int = 1, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 steps_on_batch: bool = False):
         super().__init__()
         if not 0 < tau_min <= tau_max or (tau_init is not None and not tau_min <= tau_init <= tau_max):
             raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
@@ -145,6 +147,7 @@ class LearnedTemperature(nn.Module):
         self.tau_min, self.tau_max, self.lr, self.target_negatives = tau_min, tau_max, lr, target_negatives
         self.world_size = world_size
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.steps_on_batch = steps_on_batch
         log_tau = float('nan') if tau_init is None else math.log(tau_init)
         self.register_buffer('log_tau', torch.tensor(log_tau, dtype=torch.float64))
         self.register_buffer('exp_avg', torch.tensor(float('nan'), dtype=torch.float64))

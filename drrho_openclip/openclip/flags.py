@@ -7,8 +7,8 @@ import textwrap
 
 from ..data import input_kind
 from ..features import FeatureStore, FeatureStoreError
-from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TEMPERATURE_OPTIMIZERS, create_loss, get_loss_spec,
-                      inactive_options, list_losses, loss_options, option_names, per_sample_tables)
+from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
+                      get_loss_spec, inactive_options, list_losses, loss_options, option_names, per_sample_tables)
 from .run import Run
 
 # Options whose default the run chooses (tile_size: from the batch sizes; state_layout 'auto': from the dataset size
@@ -17,7 +17,8 @@ CHOSEN_BY_THE_RUN = ('tile_size', 'state_layout')
 # OpenCLIP's flags that only its own ClipLoss (and losses built on it) reads: {option: flag}
 OPENCLIP_LOSS_FLAGS = {'local_loss': '--local-loss', 'gather_with_grad': '--gather-with-grad'}
 # The options that take one of a few words
-OPTION_CHOICES = {'state_layout': STATE_LAYOUTS, 'temperature_optimizer': TEMPERATURE_OPTIMIZERS}
+OPTION_CHOICES = {'state_layout': STATE_LAYOUTS, 'temperature_optimizer': TEMPERATURE_OPTIMIZERS,
+                  'tau_objective': TAU_OBJECTIVES}
 
 
 def flag(option: str) -> str:
