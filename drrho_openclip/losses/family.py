@@ -71,6 +71,12 @@ def _check_auto(o, name, low):
         raise ValueError(f"{name} must be {'> 0' if low > 0 else '≥ 0'}, got {value}")
 
 
+def _check_choice(o, name, choices):
+    value = getattr(o, name)
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
+
+
 def _global_temperature(o, use_reference):
     """A DRO loss's global τ: fixed, or learned by the loss's own Adam (from a given τ or an 'auto' one) or through
     the model's logit_scale."""
@@ -80,10 +86,8 @@ def _global_temperature(o, use_reference):
     if o.temperature == AUTO and not use_reference:
         raise ValueError(f"temperature '{AUTO}' is chosen from the reference model's margins, which this loss does "
                          f"not shift by: give a number")
-    if o.temperature_optimizer not in TEMPERATURE_OPTIMIZERS:
-        raise ValueError(f"temperature_optimizer must be 'loss' or 'model', got {o.temperature_optimizer!r}")
-    if o.tau_objective not in TAU_OBJECTIVES:
-        raise ValueError(f"tau_objective must be 'estimator' or 'batch', got {o.tau_objective!r}")
+    _check_choice(o, 'temperature_optimizer', TEMPERATURE_OPTIMIZERS)
+    _check_choice(o, 'tau_objective', TAU_OBJECTIVES)
     if o.temperature_optimizer == 'model':
         if o.temperature == AUTO:
             raise ValueError(f"temperature '{AUTO}' is learned by the loss's own Adam: with temperature_optimizer "
