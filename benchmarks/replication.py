@@ -427,7 +427,9 @@ class Dataset:
         if self.is_csv:
             key = self.args.csv_caption_key if with_text else self.args.csv_label_key
             for path, value in zip(self.frame[self.args.csv_img_key][:limit], self.frame[key][:limit]):
-                yield Image.open(path), (str(value) if with_text else int(value))
+                with Image.open(path) as image:  # read now: a lazily read image keeps its file open
+                    image.load()
+                yield image, (str(value) if with_text else int(value))
             return
         import webdataset as wds
         pipeline = wds.WebDataset(self.shards, shardshuffle=False).decode('pilrgb').to_tuple(
