@@ -221,8 +221,8 @@ def fastclip(o):
     'isogclr', stateful=True, run_options=STATEFUL,
     help="FastCLIP-v2 / iSogCLR: a learnable τ per sample and modality (per-sample Adam), ρ, per-sample u",
     # the FastCLIP paper's v2 setting (CC3M), but ρ from the batch (its 7.0 is rho=7) and the τ's start at 0.07, as
-    # the other losses' (its 0.03, tuned at batch 1024, lost to clip at batch 64: mean recall 3.8 against 10.4, and
-    # 10.8 from 0.07); tau_* are the per-sample Adam's
+    # the other losses' (its 0.03 lost to clip at batch 64: mean recall 3.8 against 10.4, and 10.8 from 0.07);
+    # tau_* are the per-sample Adam's
     defaults=dict(ESTIMATOR_OPTIONS, temperature=0.07, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01,
                   tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8),
     inactive=_estimator_temperature_inactive)
