@@ -89,7 +89,7 @@ class LossSpec:
     name: str
     factory: Callable
     help: str
-    defaults: Dict = field(default_factory=dict)   # the user's options, at the paper's values
+    defaults: Dict = field(default_factory=dict)   # the user's options: the paper's values unless measured to lose at small batch
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
     stateful: bool = False                          # keeps per-sample state (needs the sample index)
     run_options: Tuple[str, ...] = DISTRIBUTED      # the options of RUN_OPTION_DEFAULTS the training run supplies
@@ -135,7 +135,7 @@ def get_loss_spec(name: str) -> LossSpec:
 
 
 def loss_options(name: str, **overrides) -> SimpleNamespace:
-    """The options a loss is built with: its run options' single-process values, its paper defaults, then
+    """The options a loss is built with: its run options' single-process values, its defaults, then
     `overrides` (an override of None keeps the default). An override the loss does not have is an error, a run
     option it does not read included."""
     spec = get_loss_spec(name)
