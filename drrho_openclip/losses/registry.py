@@ -89,7 +89,8 @@ class LossSpec:
     name: str
     factory: Callable
     help: str
-    defaults: Dict = field(default_factory=dict)   # the user's options: the paper's values unless measured to lose at small batch
+    # the user's options: the paper's values, unless those were measured to lose at small batch
+    defaults: Dict = field(default_factory=dict)
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
     stateful: bool = False                          # keeps per-sample state (needs the sample index)
     run_options: Tuple[str, ...] = DISTRIBUTED      # the options of RUN_OPTION_DEFAULTS the training run supplies
