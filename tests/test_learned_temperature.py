@@ -145,7 +145,8 @@ def test_global_tau_steps_on_the_chosen_objective(tau_objective):
     g2 = batch_gradient if tau_objective == 'batch' else state_gradient
     assert loss.temperature.exp_avg.item() == pytest.approx(0.9 * g1 + 0.1 * g2, rel=1e-9)
     assert loss.temperature.exp_avg_sq.item() == pytest.approx(0.999 * g1 ** 2 + 0.001 * g2 ** 2, rel=1e-9)
-    assert abs(state_gradient - batch_gradient) > 0.05 * abs(g2)  # the two forms differ here, so the test tells them apart
+    # the two forms differ here, so the test tells them apart
+    assert abs(state_gradient - batch_gradient) > 0.05 * abs(g2)
 
 
 def consistent_objective(temperature, slope):
