@@ -588,6 +588,8 @@ def temperature_trajectory(console: str, batch_size: int, steps_per_epoch: int) 
         train = TRAIN_LINE.search(line)
         if train:
             step = int(train.group(1)) * steps_per_epoch + int(train.group(2)) // batch_size
+            if trajectory and trajectory[-1][0] == step:
+                continue  # the same step again: the console also got it through a second logging handler
             scale = re.search(r'Logit Scale: ' + NUMBER, line)
             trajectory.append([step, 1.0 / float(scale.group(1)) if scale else None, None])
         elif 'Loss metrics:' in line and trajectory:

@@ -348,8 +348,12 @@ def test_temperature_trajectory_reads_every_logged_step_of_a_real_run(shapes, tm
     flags = [shapes['ref'] if flag is None else flag for flag in loss_flags]
     result = run_openclip(train_args(shapes, tmp_path, 'run', *flags, '--log-every-n-steps', '1'))
     steps_per_epoch = 64 // 8
-    trajectory = replication.temperature_trajectory(result.stdout + result.stderr, 8, steps_per_epoch)
+    console = result.stdout + result.stderr
+    trajectory = replication.temperature_trajectory(console, 8, steps_per_epoch)
     assert [step for step, _, _ in trajectory] == list(range(1, steps_per_epoch + 1))
+    # a second logging handler (a worker's first run) writes every line twice: still one point per step
+    doubled = '\n'.join(line for line in console.splitlines() for _ in range(2))
+    assert replication.temperature_trajectory(doubled, 8, steps_per_epoch) == trajectory
     assert trajectory[0][1] == pytest.approx(start, rel=1e-4)
     taus = {tau for _, tau, _ in trajectory}
     assert len(taus) > 1  # learned: it moves
