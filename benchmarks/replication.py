@@ -631,11 +631,12 @@ def run_task(task: dict) -> dict:
     result = dict(name=task['name'], loss=task['loss'], fraction=task['fraction'], seed=task['seed'],
                   train_seconds=round(time.time() - start, 1))
     if error:
-        said = [l for l in console.read_text().splitlines() if 'error:' in l]
+        text = console.read_text()
+        said = [l for l in text.splitlines() if 'error:' in l]
         if error.startswith('exit') and said:
             error = said[-1].strip()
         # stopped before its first step: the plugin's start-up checks refused this loss on this data
-        trained = 'Train Epoch' in console.read_text()
+        trained = 'Train Epoch' in text
         result['error'] = f"{'failed' if trained else 'skipped, refused at start-up'}: {error}"
         return result
     classes = json.loads(Path(task['classes']).read_text())
