@@ -41,8 +41,8 @@ def cell(entry, key, scale):
 def markdown(runs) -> str:
     datasets = sorted({report['data']['name'] for report in runs.values()})
     batches = sorted({report['config']['batch_size'] for report in runs.values()})
-    lines = [f"# Evidence: every method against `clip` on {', '.join(datasets)}, global batch "
-             f"{' to '.join(map(str, dict.fromkeys([batches[0], batches[-1]])))}", '',
+    batch_range = f"{batches[0]}" if len(batches) == 1 else f"{batches[0]} to {batches[-1]}"
+    lines = [f"# Evidence: every method against `clip` on {', '.join(datasets)}, global batch {batch_range}", '',
              "Zero-shot top-1 (%) and mean recall (%: the mean of image→text and text→image R@1 and R@5 over the test "
              "split's pairs), mean ± std over 3 seeds; ×clip: mean recall over `clip`'s. Each setting's "
              "replication.md has the details (data, model, reference, machine, per-seed values, curves).", '']
