@@ -11,7 +11,7 @@ also arbitrary 20-character string keys (stored as UTF-8, one entry per sample).
 `--cache_ref_model_features`): `torch.save` of a [N, 2, D] float32 tensor per shard, no keys (it cannot index
 arbitrary keys: it relies on img2dataset's key arithmetic).
 
-Loss error: the DRRho loss (`create_loss('drrho')`, its paper defaults: τ = 0.01, γ = 0.8, fresh per-sample state)
+Loss error: the DRRho loss (`create_loss('drrho')`, its defaults: the first step's τ = 0.07, fresh per-sample state)
 of a batch of B = 1024 learner features, with the reference features read back from a store of each dtype, against
 the same loss with the exact float32 features: |L_dtype − L_float32| / |L_float32|, and the relative L2 error of the
 gradient with respect to the learner's features; the maximum over 4 batches. Features are random unit vectors, the
@@ -89,6 +89,7 @@ def bytes_per_sample(tmp, dim, rng):
 
 def loss_and_grads(reference, learner):
     loss = create_loss('drrho', num_samples=len(learner))
+    loss.set_total_steps(1)  # one call, as a one-step run
     image, text = (torch.from_numpy(learner[:, k]).requires_grad_() for k in (0, 1))
     value = loss(image, text, torch.tensor(100.0), index=torch.arange(len(learner)),
                  ref_image_features=torch.from_numpy(reference[:, 0]),

@@ -140,6 +140,8 @@ def _steps(case, rank, world_size, device):
            if k in get_loss_spec(loss_name).run_options}
     torch.manual_seed(0)
     loss = create_loss(loss_name, **run, **options).to(device)
+    if hasattr(loss, 'set_total_steps'):
+        loss.set_total_steps(2)  # the two steps below (a learned τ's lr_tau 'auto')
     logit_scale = torch.tensor(1 / 0.07, device=device).log().exp().requires_grad_()
     rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH) if world_size > 1 else slice(None)
     out = []

@@ -118,6 +118,8 @@ class LossCase:
             if 'embed_dim' in spec.run_options:
                 options['embed_dim'] = dim
             self.loss = create_loss(name, **options).to(device)
+            if hasattr(self.loss, 'set_total_steps'):
+                self.loss.set_total_steps(1000)  # a run's length: only a learned τ's step size depends on it
             if spec.stateful:
                 self.extras['index'] = torch.arange(batch, device=device)
             if spec.reference == 'required':

@@ -120,6 +120,7 @@ def time_worker(rank, world_size, store, out, num_samples, batch, steps, warmup,
         isogclr = create_loss('isogclr', num_samples=num_samples, rank=rank, world_size=world_size,
                               state_layout=layout, gamma=0.5, lr_tau=0.01)
         drrho.set_epoch(1)
+        drrho.set_total_steps(steps)
         isogclr.set_epoch(1)
 
         def u(step, drrho=drrho):

@@ -103,6 +103,8 @@ def train(model_name, split, loss_name, options, batch_size, steps, seed, refere
     epochs = math.ceil(steps * batch_size / len(split))
     extra = dict(num_samples=len(split), gamma_decay_epochs=epochs) if loss_name != 'clip' else {}
     loss = create_loss(loss_name, **options, **extra)
+    if hasattr(loss, 'set_total_steps'):
+        loss.set_total_steps(steps)
     reads_logit_scale = loss_name == 'clip'
     if not reads_logit_scale:
         model.logit_scale.requires_grad_(False)

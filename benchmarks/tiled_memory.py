@@ -93,6 +93,7 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads):
             from open_clip.loss import ClipLoss
             return ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True, rank=0, world_size=1)
         loss = create_loss('drrho', num_samples=n, gamma=0.5).to(device)
+        loss.set_total_steps(1)  # one call, as a one-step run
         if impl == 'tiled':
             loss.aggregate = make_tiled_aggregate(tile_size)
         return loss

@@ -35,7 +35,8 @@ def median_effective_negatives(ref_image, ref_text, tau):
 def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k):
     g = torch.Generator().manual_seed(n + int(k))
     image, text, ref_image, ref_text = batch(g, n, d=8, ref_d=8)
-    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=k).double()
+    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=k,
+                       lr_tau=0.01).double()
     call(loss, image, text, ref_image, ref_text)
     tau = loss.metrics()['tau_image_mean']  # the τ the first call used: the one chosen before its step
     assert get_loss_spec('drrho').defaults['tau_min'] < tau < get_loss_spec('drrho').defaults['tau_max']
@@ -59,13 +60,14 @@ def test_rho_from_the_batch():
     g = torch.Generator().manual_seed(1)
     n = 24
     image, text, ref_image, ref_text = batch(g, n)
-    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=4.0).double()
+    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=4.0,
+                       lr_tau=0.01).double()
     call(loss, image, text, ref_image, ref_text)
     assert loss.metrics()['rho'] == pytest.approx(math.log(23 / 4))
     assert rho_for_batch(5, 8) == 0.0  # no more negatives than the target: no constraint
     values = {}
     for rho in (2.5, 0.0):
-        given = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, rho=rho).double()
+        given = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, rho=rho, lr_tau=0.01).double()
         values[rho] = call(given, image, text, ref_image, ref_text).item()
         assert given.rho == rho and 'rho' not in given.metrics()  # logged only when it comes from the batch
     # the same 'auto' τ from the same batch: the two losses differ by the ρ term of both directions, 2ρτ
@@ -102,6 +104,29 @@ def test_adam_temperature_gradient_is_the_papers(name):
             assert temperature.log_tau.item() == pytest.approx(log_tau - lr * grad.item() / (abs(grad.item()) + 1e-8),
                                                                rel=1e-12)
         log_tau = temperature.log_tau.item()
+
+
+@pytest.mark.parametrize('name', ['drrho', 'fastclip'])
+def test_auto_lr_tau_is_one_over_the_runs_optimiser_steps(name):
+    """The default lr_tau 'auto' takes the Adam step of lr_tau = 1/T once the run says it has T optimiser steps;
+    before that the loss refuses to train, and a given lr_tau is kept whatever T is."""
+    n, steps = 7, 40
+    g = torch.Generator().manual_seed(9)
+    batches = [batch(g, n) for _ in range(3)]
+    auto = create_loss(name, num_samples=n, gamma=1.0).double()
+    with pytest.raises(RuntimeError, match='set_total_steps'):
+        call(auto, *batches[0])
+    auto.set_total_steps(steps)
+    given = create_loss(name, num_samples=n, gamma=1.0, lr_tau=1 / steps).double()
+    kept = create_loss(name, num_samples=n, gamma=1.0, lr_tau=0.02).double()
+    kept.set_total_steps(steps)
+    for b in batches:
+        for loss in (auto, given, kept):
+            call(loss, *b)
+    assert auto.temperature.log_tau.item() == given.temperature.log_tau.item() != math.log(0.07)
+    assert kept.temperature.lr == 0.02 and kept.temperature.log_tau.item() != auto.temperature.log_tau.item()
+    with pytest.raises(ValueError, match='at least one optimiser step'):
+        auto.set_total_steps(0)
 
 
 @pytest.mark.parametrize('tau_objective', ['estimator', 'batch'])
@@ -175,6 +200,7 @@ def test_state_round_trips_and_resumes_bit_exactly():
     g = torch.Generator().manual_seed(7)
     batches = [batch(g, n) for _ in range(4)]
     loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
+    loss.set_total_steps(len(batches))  # the default lr_tau 'auto', as a training run sets it
     for epoch, b in enumerate(batches[:2]):
         loss.set_epoch(epoch)
         call(loss, *b)
@@ -184,6 +210,7 @@ def test_state_round_trips_and_resumes_bit_exactly():
 
     resumed = create_loss('drrho', num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
     assert torch.isnan(resumed.temperature.log_tau)  # 'auto': not chosen yet
+    resumed.set_total_steps(len(batches))
     resumed.load_state_dict(saved)
     for copy_ in (loss, resumed):
         for epoch, b in enumerate(batches[2:], start=2):
@@ -207,6 +234,8 @@ def test_state_round_trips_and_resumes_bit_exactly():
     ('drrho', dict(temperature='hot'), "a number or 'auto'"),
     ('drrho', dict(temperature=-0.1), 'temperature must be > 0'),
     ('drrho', dict(temperature='auto', lr_tau=-1.0), 'lr_tau must be ≥ 0'),
+    ('drrho', dict(lr_tau='fast'), "lr_tau must be a number or 'auto'"),
+    ('isogclr', dict(lr_tau='auto'), "the per-sample τ's Adam needs a number"),
     ('drrho', dict(temperature='auto', target_negatives=0.5), 'target_negatives must be ≥ 1'),
     ('drrho', dict(temperature_optimizer='sgd', learn_temperature=True, temperature=0.1), "'loss' or 'model'"),
 ])

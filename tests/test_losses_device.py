@@ -25,7 +25,10 @@ MOVABLE = {
 
 
 def build(case, **extra):
-    return create_loss(case.split('-')[0].split('+')[0], num_samples=16, **MOVABLE[case], **extra)
+    loss = create_loss(case.split('-')[0].split('+')[0], num_samples=16, **MOVABLE[case], **extra)
+    if hasattr(loss, 'set_total_steps'):
+        loss.set_total_steps(100)  # as a training run does (a learned τ's lr_tau 'auto')
+    return loss
 
 
 def batch(device, n=6, d=8, requires_grad=True):
@@ -156,6 +159,7 @@ def test_bf16_loss_is_close_to_the_float32_loss(tile_size):
     for dtype in (torch.bfloat16, torch.float32):
         loss = create_loss('drrho', num_samples=16, temperature=0.2, gamma=0.5, tile_size=tile_size,
                            distill_weight=0.25, reference_logit_scale=5.0)
+        loss.set_total_steps(2)
         g = torch.Generator().manual_seed(4)
         image, text, ref_image, ref_text = (grid(g, 10).to(torch.bfloat16).to(dtype) for _ in range(4))
         image.requires_grad_(), text.requires_grad_()
@@ -182,6 +186,7 @@ def test_backward_inside_autocast_equals_backward_outside(name, options, tile_si
     results = []
     for inside in (False, True):
         loss = create_loss(name, num_samples=16, tile_size=tile_size, **options)
+        loss.set_total_steps(1)
         image, text, ref_image, ref_text = batch('cpu', n=10)
         logit_scale = torch.tensor(30.0, requires_grad=True)
         with torch.autocast('cpu', dtype=torch.bfloat16):

@@ -61,6 +61,7 @@ CASES = {
 def test_diagnostics_match_their_definitions(case):
     name, options, tau, log_weight = CASES[case]
     loss = create_loss(name, num_samples=N, **options).double()
+    loss.set_total_steps(1)
     image, text, ref_image, ref_text = features(1)
     image.requires_grad_(), text.requires_grad_()
     loss(image, text, index=torch.arange(N), ref_image_features=ref_image, ref_text_features=ref_text)

@@ -64,6 +64,8 @@ def run(scenario, rank, world_size):
     loss = create_loss(name, rank=rank, world_size=world_size, **options).double().eval()
     torch.manual_seed(0)
     loss.load_state_dict(create_loss(name, **options).double().state_dict())  # same TempNet
+    if hasattr(loss, 'set_total_steps'):
+        loss.set_total_steps(len(epochs))  # as a training run does (a learned τ's lr_tau 'auto')
     if name.startswith('jest'):
         loss.generator = torch.Generator().manual_seed(100 + rank)
     rows = slice(rank * B, (rank + 1) * B) if world_size > 1 else slice(None)

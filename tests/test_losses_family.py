@@ -47,7 +47,10 @@ def build(case, num_samples=64, **overrides):
     options = {**CASES[case], **{k: v for k, v in overrides.items() if k in own}}
     if get_loss_spec(name).stateful:
         options.setdefault('num_samples', num_samples)
-    return create_loss(name, **options)
+    loss = create_loss(name, **options)
+    if hasattr(loss, 'set_total_steps'):
+        loss.set_total_steps(100)  # as a training run does before its first step (a learned τ's lr_tau 'auto')
+    return loss
 
 
 def call(loss, case, image, text, logit_scale, index, ref_image, ref_text, **kw):

@@ -1,6 +1,7 @@
 """The loss a run builds: on the model's device with everything it holds, and the start-up warning for OpenCLIP's
 loss flags a loss does not read."""
 import logging
+from types import SimpleNamespace
 
 import open_clip
 import pytest
@@ -35,6 +36,20 @@ def test_the_loss_and_what_it_holds_go_to_the_models_device(shapes, extra):
     assert {name: t.device.type for name, t in tensors.items() if t.device.type != 'meta'} == {}
     if args.loss == 'tempnet':
         assert any(name.startswith('loss_') for name, _ in model.named_children())
+
+
+@pytest.mark.parametrize('loss, lr_tau', [('drrho', None), ('fastclip', None), ('drrho', '0.003')])
+def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau):
+    """A learned τ's --lr-tau auto is 1/(the run's optimiser steps), counted as OpenCLIP's scheduler counts them:
+    batches per epoch // --accum-freq × --epochs; a given --lr-tau is kept."""
+    from open_clip_train.data import DataInfo
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss,
+                 '--epochs', 3, '--accum-freq', 2, *(('--lr-tau', lr_tau) if lr_tau else ()),
+                 *(('--ref-model', shapes['model']) if loss == 'drrho' else ()))
+    plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+    loader = SimpleNamespace(num_batches=7)  # a loader without a map-style dataset, as WebDataset's
+    plugin.wrap_data({'train': DataInfo(loader)}, args)
+    assert plugin.create_loss(args).temperature.lr == (float(lr_tau) if lr_tau else 1 / (7 // 2 * 3))
 
 
 def test_openclip_loss_flags_a_loss_does_not_read_are_warned_about(shapes, caplog):

@@ -45,8 +45,10 @@ def batch(step):
 
 def build(scenario, rank=0, world_size=1, layout='auto'):
     name, options, _ = SCENARIOS[scenario]
-    return create_loss(name, num_samples=N, rank=rank, world_size=world_size, state_layout=layout,
+    loss = create_loss(name, num_samples=N, rank=rank, world_size=world_size, state_layout=layout,
                        **options).double()
+    loss.set_total_steps(100)  # as a training run does (a learned τ's lr_tau 'auto')
+    return loss
 
 
 def train(loss, scenario, rank, world_size, steps):

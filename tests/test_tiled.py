@@ -310,6 +310,7 @@ def test_dro_loss_with_tiled_aggregation(name, options, tile_size):
     losses = {}
     for kind in ('untiled', 'tiled'):
         loss = create_loss(name, num_samples=NUM_SAMPLES, **options)
+        loss.set_total_steps(1)
         if kind == 'tiled':
             loss.aggregate = make_tiled_aggregate(tile_size)
         losses[kind] = loss

@@ -121,6 +121,11 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             if hasattr(part, 'set_epoch'):
                 part.set_epoch(epoch)
 
+    def set_total_steps(self, total_steps: int):
+        """The run's number of optimiser steps, before training: what an 'auto' lr_tau is set from."""
+        if hasattr(self.temperature, 'set_total_steps'):
+            self.temperature.set_total_steps(total_steps)
+
     @property
     def sharding(self) -> Optional[SampleSharding]:
         """The layout of this loss's per-sample tables (None when it keeps none)."""

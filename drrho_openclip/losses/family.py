@@ -30,7 +30,10 @@ DRO_OPTIONS = dict(
     # what that Adam steps on: the paper's SogCLR estimate with u, which keeps lowering τ while the model improves
     # (at batch 64 it beat the batch objective, u = g, on all three settings measured: README, "Temperature")
     tau_objective='estimator',
-    lr_tau=0.01,               # the loss's Adam on log τ: log τ moves by at most ≈ lr_tau per step
+    # the loss's Adam on log τ, which moves by at most ≈ lr_tau per step; 'auto': 1/(the run's optimiser steps), so
+    # that the estimator's steady push down moves τ by at most ≈ a factor e over any run (at 0.01 it ran τ from 0.07
+    # to its bound 0.001 in 720 steps at batch 64, below `clip`; README "Temperature")
+    lr_tau=AUTO,
     tau_min=0.001,             # bounds of a learned τ (the paper's τ = 0.01 is for batches of 5120; 32k wants less)
     tau_max=1.0,
     **ESTIMATOR_TEMPERATURE_OPTIONS,
@@ -93,8 +96,10 @@ def _global_temperature(o, use_reference):
             raise ValueError(f"temperature '{AUTO}' is learned by the loss's own Adam: with temperature_optimizer "
                              f"'model' give the initial τ (the model's logit_scale starts from it)")
         return LogitScaleTemperature()
-    return LearnedTemperature(None if o.temperature == AUTO else o.temperature, o.tau_min, o.tau_max, o.lr_tau,
-                              o.target_negatives, o.world_size, steps_on_batch=o.tau_objective == 'batch')
+    _check_auto(o, 'lr_tau', 0)
+    return LearnedTemperature(None if o.temperature == AUTO else o.temperature, o.tau_min, o.tau_max,
+                              None if o.lr_tau == AUTO else o.lr_tau, o.target_negatives, o.world_size,
+                              steps_on_batch=o.tau_objective == 'batch')
 
 
 def _rho(o):
@@ -227,6 +232,8 @@ def fastclip(o):
                   tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8),
     inactive=_estimator_temperature_inactive)
 def isogclr(o):
+    if o.lr_tau == AUTO:
+        raise ValueError(f"lr_tau '{AUTO}' is a learned global τ's; the per-sample τ's Adam needs a number")
     sharding = _sharding(o, per_sample_temperature=True)
     temperature = PerSampleTemperature(sharding, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
                                        o.tau_beta2, o.tau_eps)

@@ -32,7 +32,8 @@ def float_or_auto(text):
 
 
 # The parsers of the options that take more than their default's type
-OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto, reference_logit_scale=float_or_auto)
+OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto, reference_logit_scale=float_or_auto,
+                    lr_tau=float_or_auto)
 # What learns a learned global τ: the loss's own Adam on log τ, or the model's logit_scale
 TEMPERATURE_OPTIMIZERS = ('loss', 'model')
 # What a global τ learned by the loss's own Adam steps on: the SogCLR estimate with u, or this batch's objective
@@ -63,7 +64,8 @@ OPTION_HELP = dict(
     tau_min="lower bound of the learned τ",
     tau_max="upper bound of the learned τ",
     lr_tau="learning rate of the learned τ's own Adam (global τ: on log τ, which moves by at most about lr_tau per "
-           "step; per-sample τ: on τ)",
+           "step; 'auto': 1/(the run's optimiser steps), so that log τ moves by at most about 1 over the run; "
+           "per-sample τ: on τ)",
     tau_beta1="β1 of the per-sample τ's Adam",
     tau_beta2="β2 of the per-sample τ's Adam",
     tau_eps="eps of the per-sample τ's Adam",

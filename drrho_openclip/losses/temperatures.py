@@ -128,23 +128,27 @@ class LearnedTemperature(nn.Module):
 
         m ← β1 m + (1−β1) G,   v ← β2 v + (1−β2) G²,   log τ ← clip(log τ − lr · m / (√v + eps), log τ_min, log τ_max)
 
-    so log τ moves by at most about lr per step. m and v start at the first G and G² (NaN marks "no step yet"), as
+    so log τ moves by at most about lr per step. With `lr=None` ('auto') the lr is 1/(the run's optimiser steps),
+    from `set_total_steps`: the SogCLR estimate's u lags g while the model improves, which keeps pushing τ down by
+    about lr per step, so a fixed lr lets a long run end at tau_min (0.07 → 0.001 in 720 steps at lr 0.01), while
+    1/steps bounds the whole run's change of log τ by about 1 (τ within a factor e of its start). m and v start at the first G and G² (NaN marks "no step yet"), as
     the per-sample τ's do; log τ is NaN until an 'auto' τ is chosen. All three are buffers: checkpoints, resume and
     `loss.to(device)` carry them.
     """
 
-    def __init__(self, tau_init, tau_min: float, tau_max: float, lr: float, target_negatives: float = 8,
+    def __init__(self, tau_init, tau_min: float, tau_max: float, lr, target_negatives: float = 8,
                  world_size: int = 1, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  steps_on_batch: bool = False):
         super().__init__()
         if not 0 < tau_min <= tau_max or (tau_init is not None and not tau_min <= tau_init <= tau_max):
             raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
-        if lr < 0:
+        if lr is not None and lr < 0:
             raise ValueError(f"the temperature's learning rate lr_tau must be ≥ 0, got {lr}")
         if not target_negatives >= 1:
             raise ValueError(f"target_negatives must be ≥ 1 (an anchor has at least one negative), got "
                              f"{target_negatives}")
         self.tau_min, self.tau_max, self.lr, self.target_negatives = tau_min, tau_max, lr, target_negatives
+        self.auto_lr = lr is None  # set from the run's length by set_total_steps
         self.world_size = world_size
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.steps_on_batch = steps_on_batch
@@ -159,8 +163,19 @@ class LearnedTemperature(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._chosen = not torch.isnan(self.log_tau).item()
 
+    def set_total_steps(self, total_steps: int):
+        """The run's number of optimiser steps: an lr of None ('auto') becomes 1/total_steps, so that log τ moves by
+        at most about 1 over the whole run, however long (a given lr is kept)."""
+        if total_steps < 1:
+            raise ValueError(f"a training run has at least one optimiser step, got {total_steps}")
+        if self.auto_lr:
+            self.lr = 1.0 / total_steps
+
     def forward(self, image_features=None, reference=None, **_):
         check_device(self.log_tau, image_features.device, 'the learned temperature')
+        if self.lr is None:
+            raise RuntimeError("lr_tau 'auto' is 1/(the run's number of optimiser steps), which this loss has not "
+                               "been told: call loss.set_total_steps(n) before training, or give lr_tau a number")
         if not self._chosen:
             if reference is None:
                 raise ValueError("temperature 'auto' is chosen from the reference margins of the first batch, and "

@@ -34,7 +34,7 @@ class BatchExtras(TypedDict, total=False):
 
 class TrainingLoss(Protocol):
     """What the patched training loop asks of a loss that `create_loss` returns. The loop calls `set_epoch`,
-    `prepare_batch` and `metrics` only where the loss has them."""
+    `prepare_batch` and `metrics`, and the plugin `set_total_steps`, only where the loss has them."""
 
     # set by the plugin for --ref-model: (images, texts) -> reference features, which prepare_batch adds
     reference_encoder: Optional[Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]]
@@ -45,6 +45,9 @@ class TrainingLoss(Protocol):
         """The loss terms. With --accum-freq > 1 the loop calls it accum_freq times on the same window of batches
         (with gradients through another chunk each time), `accum_step` = 0, 1, ...: per-sample state and other
         once-per-step updates happen at step 0 only. Without accumulation `accum_step` is None."""
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """Once, before training: the run's number of optimiser steps (an 'auto' learning rate of a learned τ)."""
 
     def set_epoch(self, epoch: int) -> None:
         """Before each epoch's first batch (schedules such as the inner learning rate γ)."""
@@ -100,7 +103,8 @@ def wds_sample_extras(args) -> Optional[Tuple[Callable[[dict], BatchExtras], Cal
 
 def wrap_data(data: dict, args) -> dict:
     """open_clip_train.data.get_data, after the datasets are built: the training loader of map-style data (CSV,
-    synthetic) with the per-sample extras (WebDataset's come from wds_sample_extras)."""
+    synthetic) with the per-sample extras (WebDataset's come from wds_sample_extras); and the loss's
+    `set_total_steps`, where it has one, with the run's optimiser steps as OpenCLIP's scheduler counts them."""
     from . import run
     from .loaders import wrap_data
     return wrap_data(run.active(), data, args)

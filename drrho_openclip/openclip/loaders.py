@@ -1,6 +1,8 @@
 """The training loaders' per-sample extras (`BatchExtras`): each sample's dense index, and each batch's reference
 features once it is collated. WebDataset input keeps OpenCLIP's own pipeline (the plugin adds the extras through
 the patch's wds_sample_extras hook); map-style input (CSV, synthetic) gets a loader of its own here."""
+import logging
+
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from ..data import CollateWithReferenceFeatures, SampleIndexFromKey, WithSampleExtras
@@ -18,10 +20,20 @@ def wds_sample_extras(run: Run, args):
 
 
 def wrap_data(run: Run, data: dict, args) -> dict:
-    """OpenCLIP's CSV/synthetic training loader replaced by one that attaches the extras."""
-    from open_clip_train.data import CsvDataset, DataInfo, SyntheticDataset
+    """OpenCLIP's CSV/synthetic training loader replaced by one that attaches the extras; and the loss told the
+    run's number of optimiser steps, counted as OpenCLIP's learning-rate schedule counts them."""
     if 'train' not in data or run.plain_clip:
         return data
+    data = _with_sample_extras(run, data, args)
+    if hasattr(run.loss, 'set_total_steps'):
+        steps = data['train'].dataloader.num_batches // args.accum_freq * args.epochs
+        run.loss.set_total_steps(steps)
+        logging.info(f"drrho-openclip: the run has {steps} optimiser steps (a learned τ's --lr-tau auto is 1/{steps})")
+    return data
+
+
+def _with_sample_extras(run: Run, data: dict, args) -> dict:
+    from open_clip_train.data import CsvDataset, DataInfo, SyntheticDataset
     info = data['train']
     dataset = getattr(info.dataloader, 'dataset', None)  # WebDataset's WebLoader has none
     if not isinstance(dataset, (CsvDataset, SyntheticDataset)):
