@@ -63,8 +63,8 @@ OPTION_HELP = dict(
                           "there, in [1, 100]), which a CLIP reference's learned scale approximates on its own data",
     tau_min="lower bound of the learned τ",
     tau_max="upper bound of the learned τ",
-    lr_tau="learning rate of the learned τ's own Adam (global τ: on log τ, which moves by at most about lr_tau per "
-           "step; 'auto': 1/(the run's optimiser steps), so that log τ moves by at most about 1 over the run; "
+    lr_tau="learning rate of the learned τ's own Adam (global τ: on log τ, which moves by about lr_tau per step; "
+           "'auto': 1/(the run's optimiser steps), so that log τ moves by about 1 over the run; "
            "per-sample τ: on τ)",
     tau_beta1="β1 of the per-sample τ's Adam",
     tau_beta2="β2 of the per-sample τ's Adam",
