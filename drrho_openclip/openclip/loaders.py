@@ -1,6 +1,7 @@
 """The training loaders' per-sample extras (`BatchExtras`): each sample's dense index, and each batch's reference
 features once it is collated. WebDataset input keeps OpenCLIP's own pipeline (the plugin adds the extras through
-the patch's wds_sample_extras hook); map-style input (CSV, synthetic) gets a loader of its own here."""
+the patch's wds_sample_extras hook); map-style input (CSV, synthetic) gets a loader of its own here. Once the
+training loader exists, the loss is also told how many optimiser steps the run has."""
 import logging
 
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
