@@ -31,7 +31,7 @@ DRO_OPTIONS = dict(
     # (at batch 64 it beat the batch objective, u = g, on all three settings measured: README, "Temperature")
     tau_objective='estimator',
     # the loss's Adam on log τ, which moves by about lr_tau per step; 'auto': 1/(the run's optimiser steps), so
-    # that the estimator's steady push down moves τ by about a factor e over any run (at 0.01 it ran τ from 0.07
+    # that the estimator's steady push down moves log τ by 1 to 2 over a run of any length (at 0.01 it ran τ from 0.07
     # to its bound 0.001 in 720 steps at batch 64, below `clip`; README "Temperature")
     lr_tau=AUTO,
     tau_min=0.001,             # bounds of a learned τ (the paper's τ = 0.01 is for batches of 5120; 32k wants less)

@@ -64,7 +64,7 @@ OPTION_HELP = dict(
     tau_min="lower bound of the learned τ",
     tau_max="upper bound of the learned τ",
     lr_tau="learning rate of the learned τ's own Adam (global τ: on log τ, which moves by about lr_tau per step; "
-           "'auto': 1/(the run's optimiser steps), so that log τ moves by about 1 over the run; "
+           "'auto': 1/(the run's optimiser steps), so that log τ moves by about 1–2 over the run; "
            "per-sample τ: on τ)",
     tau_beta1="β1 of the per-sample τ's Adam",
     tau_beta2="β2 of the per-sample τ's Adam",

@@ -129,11 +129,11 @@ class LearnedTemperature(nn.Module):
         m ← β1 m + (1−β1) G,   v ← β2 v + (1−β2) G²,   log τ ← clip(log τ − lr · m / (√v + eps), log τ_min, log τ_max)
 
     so log τ moves by about lr per step: at most lr while G keeps its size, more while |G| grows, as √v lags (on
-    average 1.25–1.3 × lr over runs of 64 and 192 steps, where G grows like 1/τ as τ falls). With `lr=None` ('auto')
+    average 1.25–2 × lr over runs of 64 to 192 steps, where G grows like 1/τ as τ falls). With `lr=None` ('auto')
     the lr is 1/(the run's optimiser steps), from `set_total_steps`: the SogCLR estimate's u lags g while the model
     improves, which keeps pushing τ down by about lr per step, so a fixed lr lets a long run end at tau_min
-    (0.07 → 0.001 in 720 steps at lr 0.01), while 1/steps keeps the whole run's change of log τ near 1 at most (τ
-    within about a factor e of its start). m and v start at the first G and G² (NaN marks "no step yet"), as the
+    (0.07 → 0.001 in 720 steps at lr 0.01), while 1/steps keeps the whole run's change of log τ at about 1–2, however
+    long the run. m and v start at the first G and G² (NaN marks "no step yet"), as the
     per-sample τ's do; log τ is NaN until an 'auto' τ is chosen. All three are buffers: checkpoints, resume and
     `loss.to(device)` carry them.
     """
@@ -167,7 +167,7 @@ class LearnedTemperature(nn.Module):
 
     def set_total_steps(self, total_steps: int):
         """The run's number of optimiser steps: an lr of None ('auto') becomes 1/total_steps, so that log τ moves by
-        about 1 over the whole run, however long (a given lr is kept)."""
+        about 1–2 over the whole run, however long (a given lr is kept)."""
         if total_steps < 1:
             raise ValueError(f"a training run has at least one optimiser step, got {total_steps}")
         if self.auto_lr:
