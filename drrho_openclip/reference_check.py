@@ -150,7 +150,8 @@ def verdict(r: ReferenceReport) -> List[str]:
                  f"{r.effective_negatives[s]:.0f} effective negatives per anchor); a larger batch suggests a smaller "
                  f"τ, so run this again with --batch-size set to your global batch.")
     lines.append(f"drrho learns τ by default from {DRRHO_DEFAULTS['temperature']:g} on the paper's SogCLR estimate, "
-                 f"where it keeps falling while the model improves (--tau-objective batch instead holds its ρ at "
+                 f"where it keeps falling while the model improves, by a factor of about e to e² over the run at "
+                 f"--lr-tau auto (--tau-objective batch instead holds its ρ at "
                  f"{MIN_EFFECTIVE_NEGATIVES:g} effective negatives per anchor); --temperature auto would start such a "
                  f"batch at τ = {r.auto_temperature:.3g} (the median anchor on {MIN_EFFECTIVE_NEGATIVES:g} effective "
                  f"negatives) and learn it from there.")
