@@ -50,6 +50,8 @@ def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau):
     loader = SimpleNamespace(num_batches=7)  # a loader without a map-style dataset, as WebDataset's
     plugin.wrap_data({'train': DataInfo(loader)}, args)
     assert plugin.create_loss(args).temperature.lr == (float(lr_tau) if lr_tau else 1 / (7 // 2 * 3))
+    with pytest.raises(ValueError, match=r'no optimiser step: 1 training batches per epoch // --accum-freq 2'):
+        plugin.wrap_data({'train': DataInfo(SimpleNamespace(num_batches=1))}, args)
 
 
 def test_openclip_loss_flags_a_loss_does_not_read_are_warned_about(shapes, caplog):

@@ -27,7 +27,12 @@ def wrap_data(run: Run, data: dict, args) -> dict:
         return data
     data = _with_sample_extras(run, data, args)
     if hasattr(run.loss, 'set_total_steps'):
-        steps = data['train'].dataloader.num_batches // args.accum_freq * args.epochs
+        batches = data['train'].dataloader.num_batches
+        steps = batches // args.accum_freq * args.epochs
+        if steps < 1:
+            raise ValueError(f"drrho-openclip: this run has no optimiser step: {batches} training batches per epoch "
+                             f"// --accum-freq {args.accum_freq} × --epochs {args.epochs} = 0; give more training "
+                             f"data, a smaller --batch-size or --accum-freq, or more --epochs")
         run.loss.set_total_steps(steps)
         logging.info(f"drrho-openclip: the run has {steps} optimiser steps (a learned τ's --lr-tau auto is 1/{steps})")
     return data
