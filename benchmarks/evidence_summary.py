@@ -1,6 +1,8 @@
 """One table from the evidence runs of `replication.py` (benchmarks/results/evidence/<data>_batch<B>/, each with its
 command in command.txt): every method's zero-shot top-1 and mean recall at 100 % of the data (and 50 % where it was
-run), mean ± std over seeds, its mean recall relative to `clip`'s, and the §6.1 variance check.
+run), mean ± std over seeds, its mean recall relative to `clip`'s, its paired difference from `clip` (the same seeds
+see the same data order and initialisation, so a per-seed difference removes their shared luck), and the §6.1 variance
+check.
 
     python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
 """
@@ -31,6 +33,32 @@ def ratio(summary, loss, fraction):
     return own['mean_recall'][0] / base['mean_recall'][0]
 
 
+def paired_recall_difference(report, loss, fraction):
+    """(mean, standard error, wins, n) of `loss`'s mean recall minus `clip`'s over the seeds both ran at `fraction`,
+    or None without at least two such seeds."""
+    recall = {}
+    for run in report.get('runs', ()):
+        if str(run['fraction']) == fraction and run.get('mean_recall') is not None:
+            recall.setdefault(run['loss'], {})[run['seed']] = run['mean_recall']
+    if loss == 'clip' or loss not in recall or 'clip' not in recall:
+        return None
+    differences = [recall[loss][seed] - recall['clip'][seed] for seed in sorted(recall[loss].keys() & recall['clip'])]
+    if len(differences) < 2:
+        return None
+    n = len(differences)
+    mean = sum(differences) / n
+    standard_error = (sum((d - mean) ** 2 for d in differences) / (n - 1) / n) ** 0.5
+    return mean, standard_error, sum(d > 0 for d in differences), n
+
+
+def paired_cell(report, loss, fraction):
+    paired = paired_recall_difference(report, loss, fraction)
+    if paired is None:
+        return ''
+    mean, standard_error, wins, n = paired
+    return f"{mean:+.1f} ± {standard_error:.1f} ({wins}/{n})"
+
+
 def cell(entry, key, scale):
     if not entry:
         return ''
@@ -44,26 +72,29 @@ def markdown(runs) -> str:
     batch_range = f"{batches[0]}" if len(batches) == 1 else f"{batches[0]} to {batches[-1]}"
     lines = [f"# Evidence: every method against `clip` on {', '.join(datasets)}, global batch {batch_range}", '',
              "Zero-shot top-1 (%) and mean recall (%: the mean of image→text and text→image R@1 and R@5 over the test "
-             "split's pairs), mean ± std over 3 seeds; ×clip: mean recall over `clip`'s. Each setting's "
-             "replication.md has the details (data, model, reference, machine, per-seed values, curves).", '']
+             "split's pairs), mean ± std over seeds; ×clip: mean recall over `clip`'s; Δ recall: the mean over seeds of "
+             "(its mean recall − `clip`'s with the same seed) ± its standard error, and in how many seeds it was "
+             "above. Each setting's replication.md has the details (data, model, reference, machine, per-seed values, "
+             "curves).", '']
     for name, report in runs.items():
         config, summary = report['config'], report['summary']
         fractions = sorted({f for per in summary.values() for f in per}, key=float)
+        seeds = sorted({entry['seeds'] for per in summary.values() for entry in per.values()})
         lines += [f"## {name}: {report['data']['name']}, global batch {config['batch_size']}", '',
-                  f"{config['samples_seen']} samples seen per run; reference"
+                  f"{config['samples_seen']} samples seen per run, {'/'.join(map(str, seeds))} seeds; reference"
                   + (f" ({report['reference_description']})" if 'reference_description' in report else '') +
                   f": zero-shot "
                   f"{100 * report['reference_accuracy']:.1f} %, mean recall {report['reference_mean_recall']:.1f} %; "
                   f"{report['machine']}.", '']
-        header = '| loss |' + ''.join(f" top-1 {p:g} % | recall {p:g} % | ×clip {p:g} % |"
+        header = '| loss |' + ''.join(f" top-1 {p:g} % | recall {p:g} % | ×clip {p:g} % | Δ recall {p:g} % |"
                                       for p in (100 * float(f) for f in reversed(fractions)))
-        lines += [header, '|---|' + '---:|' * 3 * len(fractions)]
+        lines += [header, '|---|' + '---:|' * 4 * len(fractions)]
         for loss, per in summary.items():
             row = f"| {loss} |"
             for f in reversed(fractions):
                 r = ratio(summary, loss, f)
                 row += (f" {cell(per.get(f), 'accuracy', 100)} | {cell(per.get(f), 'mean_recall', 1)} | "
-                        f"{'' if r is None else f'{r:.2f}'} |")
+                        f"{'' if r is None else f'{r:.2f}'} | {paired_cell(report, loss, f)} |")
             lines.append(row)
         variance = {loss: per['1.0']['variance'] for loss, per in summary.items()
                     if per.get('1.0', {}).get('variance')}
@@ -109,7 +140,9 @@ def main(argv=None):
                           loss: {f: {k: v for k, v in s.items() if k != 'curve'} for f, s in per.items()}
                           for loss, per in r['summary'].items()},
                       recall_vs_clip={loss: {f: ratio(r['summary'], loss, f) for f in per}
-                                      for loss, per in r['summary'].items()})
+                                      for loss, per in r['summary'].items()},
+                      paired_recall_vs_clip={loss: {f: paired_recall_difference(r, loss, f) for f in per}
+                                             for loss, per in r['summary'].items()})
            for name, r in runs.items()}
     (evidence / 'summary.json').write_text(json.dumps(out, indent=1))
     text = markdown(runs)

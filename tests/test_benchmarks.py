@@ -257,20 +257,31 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
     def entry(top1, recall):
         return dict(seeds=3, accuracy=[top1, 0.01], mean_recall=[recall, 0.5], curve={},
                     variance=dict(plain_image=[1.0, 0], plain_text=[2.0, 0], rho_image=[0.5, 0], rho_text=[0.25, 0]))
+    # per-seed runs of one setting at 100 %: drrho's seed 3 has no clip run to pair with and must not count
+    runs = [dict(loss=loss, fraction=1.0, seed=seed, mean_recall=recall)
+            for loss, recalls in (('clip', (10.0, 11.0, 12.0)), ('drrho', (12.0, 12.0, 13.0, 0.0)))
+            for seed, recall in enumerate(recalls)]
     for name, recall, batch in (('a_batch64', 10.0, 64), ('b_batch512', 4.0, 512)):
         (tmp_path / name).mkdir()
         (tmp_path / name / 'replication.json').write_text(json.dumps(dict(
             data=dict(name=name), machine='m', reference_accuracy=0.5, reference_mean_recall=20.0,
-            config=dict(batch_size=batch, samples_seen=128),
+            config=dict(batch_size=batch, samples_seen=128), runs=runs if batch == 64 else [],
             summary={'clip': {'1.0': entry(0.3, recall), '0.5': entry(0.2, recall / 2)},
                      'drrho': {'1.0': entry(0.4, 1.3 * recall), '0.5': entry(0.25, recall)}})))
     assert evidence_summary.main([str(tmp_path)]) == 0
     saved = json.loads((tmp_path / 'summary.json').read_text())
     assert saved['a_batch64']['recall_vs_clip']['drrho'] == {'1.0': pytest.approx(1.3), '0.5': pytest.approx(2.0)}
     assert saved['b_batch512']['recall_vs_clip']['clip']['1.0'] == 1.0
+    # differences 2, 1, 1: mean 4/3, sample std 1/√3, standard error 1/3, above clip in 3 of 3
+    assert saved['a_batch64']['paired_recall_vs_clip']['drrho']['1.0'] == [pytest.approx(4 / 3), pytest.approx(1 / 3),
+                                                                            3, 3]
+    assert saved['a_batch64']['paired_recall_vs_clip']['drrho']['0.5'] is None
+    assert saved['b_batch512']['paired_recall_vs_clip']['drrho']['1.0'] is None
     text = (tmp_path / 'summary.md').read_text()
     assert text.startswith('# Evidence: every method against `clip` on a_batch64, b_batch512, global batch 64 to 512\n')
-    assert '| drrho | 40.0 ± 1.0 | 13.0 ± 0.5 | 1.30 | 25.0 ± 1.0 | 10.0 ± 0.5 | 2.00 |' in text
+    assert '128 samples seen per run, 3 seeds; reference' in text
+    assert '| drrho | 40.0 ± 1.0 | 13.0 ± 0.5 | 1.30 | +1.3 ± 0.3 (3/3) | 25.0 ± 1.0 | 10.0 ± 0.5 | 2.00 |  |' in text
+    assert '| drrho | 40.0 ± 1.0 | 5.2 ± 0.5 | 1.30 |  |' in text
     assert '| drrho | 1.000 / 2.000 | 0.500 / 0.250 |' in text and (tmp_path / 'summary.png').is_file()
 
 
