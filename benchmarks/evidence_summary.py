@@ -1,8 +1,8 @@
 """One table from the evidence runs of `replication.py` (benchmarks/results/evidence/<data>_batch<B>/, each with its
 command in command.txt): every method's zero-shot top-1 and mean recall at 100 % of the data (and 50 % where it was
-run), mean ± std over seeds, its mean recall relative to `clip`'s, its paired difference from `clip` (the same seeds
-see the same data order and initialisation, so a per-seed difference removes their shared luck), and the §6.1 variance
-check.
+run), mean ± std over seeds, its mean recall relative to `clip`'s, its paired difference from `clip` (the same seed
+gives the same data order and initialisation, so a per-seed difference removes their shared luck; mean recall in the
+table, top-1 too in summary.json), and the §6.1 variance check.
 
     python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
 """
@@ -33,16 +33,16 @@ def ratio(summary, loss, fraction):
     return own['mean_recall'][0] / base['mean_recall'][0]
 
 
-def paired_recall_difference(report, loss, fraction):
-    """(mean, standard error, wins, n) of `loss`'s mean recall minus `clip`'s over the seeds both ran at `fraction`,
-    or None without at least two such seeds."""
-    recall = {}
+def paired_difference(report, loss, fraction, key='mean_recall', scale=1):
+    """(mean, standard error, wins, n) of `loss`'s `key` (×`scale`) minus `clip`'s over the seeds both ran at
+    `fraction`, or None without at least two such seeds."""
+    values = {}
     for run in report.get('runs', ()):
-        if str(run['fraction']) == fraction and run.get('mean_recall') is not None:
-            recall.setdefault(run['loss'], {})[run['seed']] = run['mean_recall']
-    if loss == 'clip' or loss not in recall or 'clip' not in recall:
+        if str(run['fraction']) == fraction and run.get(key) is not None:
+            values.setdefault(run['loss'], {})[run['seed']] = scale * run[key]
+    if loss == 'clip' or loss not in values or 'clip' not in values:
         return None
-    differences = [recall[loss][seed] - recall['clip'][seed] for seed in sorted(recall[loss].keys() & recall['clip'])]
+    differences = [values[loss][seed] - values['clip'][seed] for seed in sorted(values[loss].keys() & values['clip'])]
     if len(differences) < 2:
         return None
     n = len(differences)
@@ -52,7 +52,7 @@ def paired_recall_difference(report, loss, fraction):
 
 
 def paired_cell(report, loss, fraction):
-    paired = paired_recall_difference(report, loss, fraction)
+    paired = paired_difference(report, loss, fraction)
     if paired is None:
         return ''
     mean, standard_error, wins, n = paired
@@ -141,8 +141,10 @@ def main(argv=None):
                           for loss, per in r['summary'].items()},
                       recall_vs_clip={loss: {f: ratio(r['summary'], loss, f) for f in per}
                                       for loss, per in r['summary'].items()},
-                      paired_recall_vs_clip={loss: {f: paired_recall_difference(r, loss, f) for f in per}
-                                             for loss, per in r['summary'].items()})
+                      paired_recall_vs_clip={loss: {f: paired_difference(r, loss, f) for f in per}
+                                             for loss, per in r['summary'].items()},
+                      paired_top1_vs_clip={loss: {f: paired_difference(r, loss, f, 'accuracy', 100) for f in per}
+                                           for loss, per in r['summary'].items()})
            for name, r in runs.items()}
     (evidence / 'summary.json').write_text(json.dumps(out, indent=1))
     text = markdown(runs)

@@ -258,7 +258,7 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
         return dict(seeds=3, accuracy=[top1, 0.01], mean_recall=[recall, 0.5], curve={},
                     variance=dict(plain_image=[1.0, 0], plain_text=[2.0, 0], rho_image=[0.5, 0], rho_text=[0.25, 0]))
     # per-seed runs of one setting at 100 %: drrho's seed 3 has no clip run to pair with and must not count
-    runs = [dict(loss=loss, fraction=1.0, seed=seed, mean_recall=recall)
+    runs = [dict(loss=loss, fraction=1.0, seed=seed, mean_recall=recall, accuracy=recall / 100)
             for loss, recalls in (('clip', (10.0, 11.0, 12.0)), ('drrho', (12.0, 12.0, 13.0, 0.0)))
             for seed, recall in enumerate(recalls)]
     for name, recall, batch in (('a_batch64', 10.0, 64), ('b_batch512', 4.0, 512)):
@@ -275,6 +275,8 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
     # differences 2, 1, 1: mean 4/3, sample std 1/√3, standard error 1/3, above clip in 3 of 3
     assert saved['a_batch64']['paired_recall_vs_clip']['drrho']['1.0'] == [pytest.approx(4 / 3), pytest.approx(1 / 3),
                                                                             3, 3]
+    assert saved['a_batch64']['paired_top1_vs_clip']['drrho']['1.0'] == saved['a_batch64']['paired_recall_vs_clip'][
+        'drrho']['1.0']  # top-1 in %, made equal to the recalls here
     assert saved['a_batch64']['paired_recall_vs_clip']['drrho']['0.5'] is None
     assert saved['b_batch512']['paired_recall_vs_clip']['drrho']['1.0'] is None
     text = (tmp_path / 'summary.md').read_text()
