@@ -7,6 +7,8 @@ table, top-1 too in summary.json), and the §6.1 variance check.
     python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
 """
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,9 +48,8 @@ def paired_difference(report, loss, fraction, key='mean_recall', scale=1):
     if len(differences) < 2:
         return None
     n = len(differences)
-    mean = sum(differences) / n
-    standard_error = (sum((d - mean) ** 2 for d in differences) / (n - 1) / n) ** 0.5
-    return mean, standard_error, sum(d > 0 for d in differences), n
+    return (statistics.fmean(differences), statistics.stdev(differences) / math.sqrt(n),
+            sum(d > 0 for d in differences), n)
 
 
 def paired_cell(report, loss, fraction):
