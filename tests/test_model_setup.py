@@ -38,18 +38,25 @@ def test_the_loss_and_what_it_holds_go_to_the_models_device(shapes, extra):
         assert any(name.startswith('loss_') for name, _ in model.named_children())
 
 
-@pytest.mark.parametrize('loss, lr_tau', [('drrho', None), ('fastclip', None), ('drrho', '0.003')])
-def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau):
+@pytest.mark.parametrize('loss, lr_tau', [('drrho', None), ('fastclip', None), ('drrho', '0.003'), ('sogclr', None)])
+def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau, caplog):
     """A learned τ's --lr-tau auto is 1/(the run's optimiser steps), counted as OpenCLIP's scheduler counts them:
-    batches per epoch // --accum-freq × --epochs; a given --lr-tau is kept."""
+    batches per epoch // --accum-freq × --epochs, and logged; a given --lr-tau is kept, and a fixed τ (sogclr) has
+    none, so neither logs one."""
     from open_clip_train.data import DataInfo
     args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss,
                  '--epochs', 3, '--accum-freq', 2, *(('--lr-tau', lr_tau) if lr_tau else ()),
                  *(('--ref-model', shapes['model']) if loss == 'drrho' else ()))
     plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
     loader = SimpleNamespace(num_batches=7)  # a loader without a map-style dataset, as WebDataset's
-    plugin.wrap_data({'train': DataInfo(loader)}, args)
-    assert plugin.create_loss(args).temperature.lr == (float(lr_tau) if lr_tau else 1 / (7 // 2 * 3))
+    with caplog.at_level(logging.INFO):
+        plugin.wrap_data({'train': DataInfo(loader)}, args)
+    auto = loss != 'sogclr' and lr_tau is None
+    assert ('--lr-tau auto' in caplog.text) == auto
+    assert ('the run has 9 optimiser steps, so --lr-tau auto is 1/9 = 0.111' in caplog.text) == auto
+    temperature = plugin.create_loss(args).temperature
+    if loss != 'sogclr':
+        assert temperature.lr == (float(lr_tau) if lr_tau else 1 / (7 // 2 * 3))
     with pytest.raises(ValueError, match=r'no optimiser step: 1 training batches per epoch // --accum-freq 2'):
         plugin.wrap_data({'train': DataInfo(SimpleNamespace(num_batches=1))}, args)
 

@@ -121,10 +121,12 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             if hasattr(part, 'set_epoch'):
                 part.set_epoch(epoch)
 
-    def set_total_steps(self, total_steps: int):
-        """The run's number of optimiser steps, before training: what an 'auto' lr_tau is set from."""
+    def set_total_steps(self, total_steps: int) -> Optional[float]:
+        """The run's number of optimiser steps, before training: what an 'auto' lr_tau is set from. Returns the
+        lr_tau it set, or None where τ is not learned that way or has a given lr_tau."""
         if hasattr(self.temperature, 'set_total_steps'):
-            self.temperature.set_total_steps(total_steps)
+            return self.temperature.set_total_steps(total_steps)
+        return None
 
     @property
     def sharding(self) -> Optional[SampleSharding]:

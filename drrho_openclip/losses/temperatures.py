@@ -19,6 +19,8 @@ effective number n_eff = exp(entropy) = (B − 1)·exp(−KL(p ‖ uniform)), an
 the τ to start from (`temperature_for_effective_negatives`) and ρ = log((B − 1)/k) (`rho_for_batch`).
 """
 import math
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,9 +135,8 @@ class LearnedTemperature(nn.Module):
     the lr is 1/(the run's optimiser steps), from `set_total_steps`: the SogCLR estimate's u lags g while the model
     improves, which keeps pushing τ down by about lr per step, so a fixed lr lets a long run end at tau_min
     (0.07 → 0.001 in 720 steps at lr 0.01), while 1/steps keeps the whole run's change of log τ at about 1–2, however
-    long the run. m and v start at the first G and G² (NaN marks "no step yet"), as the
-    per-sample τ's do; log τ is NaN until an 'auto' τ is chosen. All three are buffers: checkpoints, resume and
-    `loss.to(device)` carry them.
+    long the run. m and v start at the first G and G² (NaN marks "no step yet"), as the per-sample τ's do; log τ is
+    NaN until an 'auto' τ is chosen. All three are buffers: checkpoints, resume and `loss.to(device)` carry them.
     """
 
     def __init__(self, tau_init, tau_min: float, tau_max: float, lr, target_negatives: float = 8,
@@ -165,13 +166,15 @@ class LearnedTemperature(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._chosen = not torch.isnan(self.log_tau).item()
 
-    def set_total_steps(self, total_steps: int):
+    def set_total_steps(self, total_steps: int) -> Optional[float]:
         """The run's number of optimiser steps: an lr of None ('auto') becomes 1/total_steps, so that log τ moves by
-        about 1–2 over the whole run, however long (a given lr is kept)."""
+        about 1–2 over the whole run, however long (a given lr is kept). Returns the lr it set, None if it kept one."""
         if total_steps < 1:
             raise ValueError(f"a training run has at least one optimiser step, got {total_steps}")
-        if self.auto_lr:
-            self.lr = 1.0 / total_steps
+        if not self.auto_lr:
+            return None
+        self.lr = 1.0 / total_steps
+        return self.lr
 
     def forward(self, image_features=None, reference=None, **_):
         check_device(self.log_tau, image_features.device, 'the learned temperature')

@@ -46,8 +46,9 @@ class TrainingLoss(Protocol):
         (with gradients through another chunk each time), `accum_step` = 0, 1, ...: per-sample state and other
         once-per-step updates happen at step 0 only. Without accumulation `accum_step` is None."""
 
-    def set_total_steps(self, total_steps: int) -> None:
-        """Once, before training: the run's number of optimiser steps (an 'auto' learning rate of a learned τ)."""
+    def set_total_steps(self, total_steps: int) -> Optional[float]:
+        """Once, before training: the run's number of optimiser steps (an 'auto' learning rate of a learned τ).
+        Returns the learning rate it set from them, or None."""
 
     def set_epoch(self, epoch: int) -> None:
         """Before each epoch's first batch (schedules such as the inner learning rate γ)."""

@@ -33,8 +33,10 @@ def wrap_data(run: Run, data: dict, args) -> dict:
             raise ValueError(f"drrho-openclip: this run has no optimiser step: {batches} training batches per epoch "
                              f"// --accum-freq {args.accum_freq} × --epochs {args.epochs} = 0; give more training "
                              f"data, a smaller --batch-size or --accum-freq, or more --epochs")
-        run.loss.set_total_steps(steps)
-        logging.info(f"drrho-openclip: the run has {steps} optimiser steps (a learned τ's --lr-tau auto is 1/{steps})")
+        lr_tau = run.loss.set_total_steps(steps)
+        if lr_tau is not None:
+            logging.info(f"drrho-openclip: the run has {steps} optimiser steps, so --lr-tau auto is "
+                         f"1/{steps} = {lr_tau:.3g}")
     return data
 
 
