@@ -512,21 +512,45 @@ def _test_set(task):
     return images, labels, (tokenizer(distinct), torch.tensor([index[c] for c in captions]))
 
 
-def heldout_retrieval(model, images, texts) -> dict:
+def heldout_retrieval(model, images, texts, labels=None) -> dict:
     """Image→text and text→image R@1 and R@5 (%) over the test pairs (drrho_openclip.reference_check.retrieval: a
     pair counts as retrieved when its own caption, or its own image, ranks among the top k), and `mean_recall`, the
     mean of the four. `texts` = (distinct captions tokenized, each pair's index into them): identical captions get
-    identical features, so they tie exactly, and a tie does not rank above the pair's own caption."""
+    identical features, so they tie exactly, and a tie does not rank above the pair's own caption. With the pairs'
+    class `labels`, also the class-level top-1 both ways (`class_top1`)."""
     tokens, index = texts
     image_features, text_features = _features(model, images, tokens)
-    return recall_with_mean(image_features, text_features[index])
+    return recall_with_mean(image_features, text_features[index], labels)
 
 
-def recall_with_mean(image_features, text_features) -> dict:
-    """R@1 and R@5 both ways of the pairs (image_features[i], text_features[i]), and `mean_recall`, their mean."""
+CLASS_KEYS = ('image_to_text_class@1', 'text_to_image_class@1')
+
+
+def class_top1(image_features, text_features, labels) -> dict:
+    """How often (%) the top-ranked candidate is of the query's class, both ways (ties count for it): R@1 asks for
+    the pair's own caption or image, this for any of its class, so the two together tell a model that confuses
+    items within a class (same class top-1, lower R@1) from one that confuses classes."""
+    out = {}
+    same = labels[:, None] == labels[None, :]
+    sim = image_features @ text_features.T
+    for key, s in zip(CLASS_KEYS, (sim, sim.T)):
+        best_same = s.masked_fill(~same, -math.inf).amax(dim=1)
+        best_other = s.masked_fill(same, -math.inf).amax(dim=1)
+        out[key] = 100 * (best_same >= best_other).double().mean().item()
+    return out
+
+
+def recall_with_mean(image_features, text_features, labels=None) -> dict:
+    """R@1 and R@5 both ways of the pairs (image_features[i], text_features[i]), `mean_recall`, their mean, and with
+    the pairs' class `labels` the class-level top-1 both ways (not in the mean)."""
+    import torch
     from drrho_openclip.reference_check import retrieval
-    recall = retrieval(image_features.double(), text_features.double())
-    return dict(recall, mean_recall=float(np.mean(list(recall.values()))))
+    image_features, text_features = image_features.double(), text_features.double()
+    recall = retrieval(image_features, text_features)
+    out = dict(recall, mean_recall=float(np.mean(list(recall.values()))))
+    if labels is not None:
+        out.update(class_top1(image_features, text_features, torch.as_tensor(labels)))
+    return out
 
 
 def per_sample_clip_loss(image_features, text_features, logit_scale: float, batch_size: int):
@@ -647,7 +671,7 @@ def run_task(task: dict) -> dict:
         model, _, tokenizer = _load(task['model'], checkpoint)
         curve.append((epoch * task['samples_per_epoch'], zero_shot_accuracy(model, tokenizer, images, labels, classes)))
         if texts is not None and epoch == task['epochs']:
-            result['retrieval'] = heldout_retrieval(model, images, texts)
+            result['retrieval'] = heldout_retrieval(model, images, texts, labels)
             result['mean_recall'] = result['retrieval'].pop('mean_recall')
         if task.get('variance_data') and epoch == task['epochs']:
             vimages, vtexts = _cached(('variance', task['variance_data']), lambda: _variance_set(task))
@@ -858,15 +882,25 @@ def markdown(report) -> str:
                 cells.append(fmt(e['mean_recall'], 1) if 'mean_recall' in e else '–')
         lines.append(f"| {loss} | {report['reference_use'][loss]} | " + ' | '.join(cells) + ' |')
     if recall:
-        lines += ['', "## Retrieval on the held-out pairs at 100% data (%)", '',
-                  '| loss | ' + ' | '.join(map(_recall_name, RECALL_KEYS)) + ' | mean recall |', '|---|' + '---:|' * 5,
+        # runs measured before the class-level top-1 existed have only the recall columns
+        classes = all(k in report['reference_retrieval'] for k in CLASS_KEYS)
+        keys = RECALL_KEYS + (CLASS_KEYS if classes else ())
+        lines += ['', "## Retrieval on the held-out pairs at 100% data (%)", '']
+        if classes:
+            lines += ["Class@1: how often the top-ranked caption (image) is of the query's class, ties counting for "
+                      "it; not in the mean recall. With R@1 it tells confusions within a class from confusions "
+                      "between classes.", '']
+        lines += ['| loss | ' + ' | '.join(map(_recall_name, RECALL_KEYS)) + ' | mean recall |'
+                  + ''.join(f' {_recall_name(k)} |' for k in keys[4:]), '|---|' + '---:|' * (len(keys) + 1),
                   '| reference | ' + ' | '.join(f"{report['reference_retrieval'][k]:.1f}" for k in RECALL_KEYS)
-                  + f" | {report['reference_mean_recall']:.1f} |"]
+                  + f" | {report['reference_mean_recall']:.1f} |"
+                  + ''.join(f" {report['reference_retrieval'][k]:.1f} |" for k in keys[4:])]
         for loss, per_fraction in s.items():
             e = per_fraction['1.0']
             if 'retrieval' in e:
                 lines.append(f"| {loss} | " + ' | '.join(fmt(e['retrieval'][k], 1) for k in RECALL_KEYS)
-                             + f" | {fmt(e['mean_recall'], 1)} |")
+                             + f" | {fmt(e['mean_recall'], 1)} |"
+                             + ''.join(f" {fmt(e['retrieval'][k], 1)} |" for k in keys[4:]))
     lines += ['', "## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
               f"Over the target's {c['variance_samples']} training pairs, per-sample mini-batch CLIP loss (batches of "
               f"{c['batch_size']}, τ = {VARIANCE_TEMPERATURE} for both models). Var ℓ(θ,z) is the plain loss of "
@@ -1039,7 +1073,7 @@ def pretrained_reference(args, ref_data, test_data, classes, subsets, work):
     ref = dict(accuracy=accuracy, curve=[(steps * PRETRAINED_REFERENCE_BATCH, accuracy)], test_images=len(labels),
                test_majority=float(torch.tensor(labels).bincount().max()) / len(labels))
     if all(c is not None for c in captions):
-        ref['retrieval'] = recall_with_mean(*reference.encode(images, captions))
+        ref['retrieval'] = recall_with_mean(*reference.encode(images, captions), labels)
         ref['mean_recall'] = ref['retrieval'].pop('mean_recall')
     print(_reference_line(ref, 'importing its features'), flush=True)
     stores, features = {}, {}

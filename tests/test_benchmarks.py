@@ -195,6 +195,25 @@ def test_heldout_retrieval_counts_the_own_caption_and_ties_for_it():
     assert got['image_to_text_R@1'] == 75.0 and got['text_to_image_R@1'] == 75.0
     assert got['image_to_text_R@5'] == got['text_to_image_R@5'] == 100.0
     assert got['mean_recall'] == pytest.approx(np.mean([got[k] for k in replication.RECALL_KEYS]))
+    assert not set(replication.CLASS_KEYS) & set(got)  # no labels, no class-level top-1
+
+
+def test_class_top1_counts_any_item_of_the_querys_class():
+    """Class@1 asks for the top-ranked candidate to be of the query's class (ties for it), not to be the pair's own;
+    it is not part of the mean recall."""
+    class Identity:
+        def encode_image(self, x, normalize=True):
+            return F.normalize(x, dim=-1)
+        encode_text = encode_image
+    images = torch.eye(4)[[0, 1, 2, 0]]
+    tokens = torch.eye(4)[[0, 1, 2]]
+    labels = torch.tensor([0, 1, 1, 0])
+    got = replication.heldout_retrieval(Identity(), images, (tokens, torch.tensor([0, 1, 2, 2])), labels)
+    # image 3 (= image 0) ranks caption 0 first, pair 0's, of its class: a class hit where R@1 missed. Caption 3
+    # (= caption 2) ranks image 2 first, of class 1, not its class 0: a miss both ways
+    assert got['image_to_text_R@1'] == 75.0 and got['image_to_text_class@1'] == 100.0
+    assert got['text_to_image_R@1'] == 75.0 and got['text_to_image_class@1'] == 75.0
+    assert got['mean_recall'] == pytest.approx(np.mean([got[k] for k in replication.RECALL_KEYS]))
 
 
 @pytest.mark.parametrize('fractions, epochs, ok', [
@@ -234,6 +253,16 @@ def test_replication_tables_have_a_column_group_per_fraction():
     # τ at the steps every seed logged (seed 0 stopped logging at step 5)
     assert summary['clip']['1.0']['temperature']['steps'] == [1, 5]
     assert '| clip | 0.0700 ± 0.0000 | 0.1000 ± 0.0000 | 9.0 ± 0.0 |' in md
+    assert '| clip | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 |' in md and 'class@1' not in md
+    # a report with the class-level top-1 (the reference's and every run's) gets its two columns
+    for run in runs:
+        run['retrieval'].update(dict.fromkeys(replication.CLASS_KEYS, 30.0 + run['seed']))
+    report.update(summary=replication.summarize(runs, ['clip'], [0.5, 1.0]),
+                  reference_retrieval=dict.fromkeys(replication.RECALL_KEYS + replication.CLASS_KEYS, 4.0))
+    md = replication.markdown(report)
+    assert '| mean recall | image→text class@1 | text→image class@1 |' in md
+    assert '| reference | 4.0 | 4.0 | 4.0 | 4.0 | 4.0 | 4.0 | 4.0 |' in md
+    assert '| clip | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 31.0 ± 1.0 | 31.0 ± 1.0 |' in md
 
 
 def test_overheads_smoke_writes_its_json(tmp_path):
