@@ -883,24 +883,23 @@ def markdown(report) -> str:
         lines.append(f"| {loss} | {report['reference_use'][loss]} | " + ' | '.join(cells) + ' |')
     if recall:
         # runs measured before the class-level top-1 existed have only the recall columns
-        classes = all(k in report['reference_retrieval'] for k in CLASS_KEYS)
-        keys = RECALL_KEYS + (CLASS_KEYS if classes else ())
+        classes = CLASS_KEYS if all(k in report['reference_retrieval'] for k in CLASS_KEYS) else ()
         lines += ['', "## Retrieval on the held-out pairs at 100% data (%)", '']
         if classes:
             lines += ["Class@1: how often the top-ranked caption (image) is of the query's class, ties counting for "
                       "it; not in the mean recall. With R@1 it tells confusions within a class from confusions "
                       "between classes.", '']
         lines += ['| loss | ' + ' | '.join(map(_recall_name, RECALL_KEYS)) + ' | mean recall |'
-                  + ''.join(f' {_recall_name(k)} |' for k in keys[4:]), '|---|' + '---:|' * (len(keys) + 1),
+                  + ''.join(f' {_recall_name(k)} |' for k in classes), '|---|' + '---:|' * (5 + len(classes)),
                   '| reference | ' + ' | '.join(f"{report['reference_retrieval'][k]:.1f}" for k in RECALL_KEYS)
                   + f" | {report['reference_mean_recall']:.1f} |"
-                  + ''.join(f" {report['reference_retrieval'][k]:.1f} |" for k in keys[4:])]
+                  + ''.join(f" {report['reference_retrieval'][k]:.1f} |" for k in classes)]
         for loss, per_fraction in s.items():
             e = per_fraction['1.0']
             if 'retrieval' in e:
                 lines.append(f"| {loss} | " + ' | '.join(fmt(e['retrieval'][k], 1) for k in RECALL_KEYS)
                              + f" | {fmt(e['mean_recall'], 1)} |"
-                             + ''.join(f" {fmt(e['retrieval'][k], 1)} |" for k in keys[4:]))
+                             + ''.join(f" {fmt(e['retrieval'][k], 1)} |" for k in classes))
     lines += ['', "## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
               f"Over the target's {c['variance_samples']} training pairs, per-sample mini-batch CLIP loss (batches of "
               f"{c['batch_size']}, τ = {VARIANCE_TEMPERATURE} for both models). Var ℓ(θ,z) is the plain loss of "
