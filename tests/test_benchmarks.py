@@ -183,14 +183,17 @@ def test_openclipart_missing_names_the_package(tmp_path, monkeypatch):
         replication.prepare_data('openclipart', tmp_path, None, 8, 8, clipart_dir=str(tmp_path / 'nothing here'))
 
 
+class IdentityEncoder:
+    """A model whose features are its inputs, normalised: the retrieval tests choose the similarities directly."""
+    def encode_image(self, x, normalize=True):
+        return F.normalize(x, dim=-1)
+    encode_text = encode_image
+
+
 def test_heldout_retrieval_counts_the_own_caption_and_ties_for_it():
-    class Identity:
-        def encode_image(self, x, normalize=True):
-            return F.normalize(x, dim=-1)
-        encode_text = encode_image
     images = torch.eye(4)[[0, 1, 2, 0]]
     tokens = torch.eye(4)[[0, 1, 2]]  # pairs 2 and 3 share caption 2: identical features, a tie
-    got = replication.heldout_retrieval(Identity(), images, (tokens, torch.tensor([0, 1, 2, 2])))
+    got = replication.heldout_retrieval(IdentityEncoder(), images, (tokens, torch.tensor([0, 1, 2, 2])))
     # image 3 scores caption 0 above its own: missed; image 2 ties its own caption with pair 3's: found
     assert got['image_to_text_R@1'] == 75.0 and got['text_to_image_R@1'] == 75.0
     assert got['image_to_text_R@5'] == got['text_to_image_R@5'] == 100.0
@@ -201,14 +204,10 @@ def test_heldout_retrieval_counts_the_own_caption_and_ties_for_it():
 def test_class_top1_counts_any_item_of_the_querys_class():
     """Class@1 asks for the top-ranked candidate to be of the query's class (ties for it), not to be the pair's own;
     it is not part of the mean recall."""
-    class Identity:
-        def encode_image(self, x, normalize=True):
-            return F.normalize(x, dim=-1)
-        encode_text = encode_image
     images = torch.eye(4)[[0, 1, 2, 0]]
     tokens = torch.eye(4)[[0, 1, 2]]
     labels = torch.tensor([0, 1, 1, 0])
-    got = replication.heldout_retrieval(Identity(), images, (tokens, torch.tensor([0, 1, 2, 2])), labels)
+    got = replication.heldout_retrieval(IdentityEncoder(), images, (tokens, torch.tensor([0, 1, 2, 2])), labels)
     # image 3 (= image 0) ranks caption 0 first, pair 0's, of its class: a class hit where R@1 missed. Caption 3
     # (= caption 2) ranks image 2 first, of class 1, not its class 0: a miss both ways
     assert got['image_to_text_R@1'] == 75.0 and got['image_to_text_class@1'] == 100.0

@@ -54,9 +54,8 @@ def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau, caplog
     auto = loss != 'sogclr' and lr_tau is None
     assert ('--lr-tau auto' in caplog.text) == auto
     assert ('the run has 9 optimiser steps, so --lr-tau auto is 1/9 = 0.111' in caplog.text) == auto
-    temperature = plugin.create_loss(args).temperature
     if loss != 'sogclr':
-        assert temperature.lr == (float(lr_tau) if lr_tau else 1 / (7 // 2 * 3))
+        assert plugin.create_loss(args).temperature.lr == (float(lr_tau) if lr_tau else 1 / (7 // 2 * 3))
     with pytest.raises(ValueError, match=r'no optimiser step: 1 training batches per epoch // --accum-freq 2'):
         plugin.wrap_data({'train': DataInfo(SimpleNamespace(num_batches=1))}, args)
 
