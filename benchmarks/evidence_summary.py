@@ -2,7 +2,7 @@
 command in command.txt): every method's zero-shot top-1 and mean recall at 100 % of the data (and 50 % where it was
 run), mean ± std over seeds, its mean recall relative to `clip`'s, its paired difference from `clip` (the same seed
 gives the same data order and initialisation, so a per-seed difference removes their shared luck; mean recall in the
-table, top-1 too in summary.json), and the §6.1 variance check.
+table, with each R@k and class@1 below it; top-1 too in summary.json), and the §6.1 variance check.
 
     python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
 """
@@ -37,11 +37,13 @@ def ratio(summary, loss, fraction):
 
 def paired_difference(report, loss, fraction, key='mean_recall', scale=1):
     """(mean, standard error, wins, n) of `loss`'s `key` (×`scale`) minus `clip`'s over the seeds both ran at
-    `fraction`, or None without at least two such seeds."""
+    `fraction`, or None without at least two such seeds. `key` names a run's own value or, when it is not one, one of
+    its `retrieval` values (R@k, class@1)."""
     values = {}
     for run in report.get('runs', ()):
-        if str(run['fraction']) == fraction and run.get(key) is not None:
-            values.setdefault(run['loss'], {})[run['seed']] = scale * run[key]
+        value = run.get(key, run.get('retrieval', {}).get(key))
+        if str(run['fraction']) == fraction and value is not None:
+            values.setdefault(run['loss'], {})[run['seed']] = scale * value
     if loss == 'clip' or loss not in values or 'clip' not in values:
         return None
     differences = [values[loss][seed] - values['clip'][seed] for seed in sorted(values[loss].keys() & values['clip'])]
@@ -52,8 +54,14 @@ def paired_difference(report, loss, fraction, key='mean_recall', scale=1):
             sum(d > 0 for d in differences), n)
 
 
-def paired_cell(report, loss, fraction):
-    paired = paired_difference(report, loss, fraction)
+def retrieval_keys(report):
+    """The retrieval values every run of a setting reports (class@1 only in the settings measured since it was)."""
+    per_run = [set(run.get('retrieval', {})) for run in report.get('runs', ())]
+    return sorted(set.intersection(*per_run)) if per_run else []
+
+
+def paired_cell(report, loss, fraction, key='mean_recall'):
+    paired = paired_difference(report, loss, fraction, key)
     if paired is None:
         return ''
     mean, standard_error, wins, n = paired
@@ -97,6 +105,13 @@ def markdown(runs) -> str:
                 row += (f" {cell(per.get(f), 'accuracy', 100)} | {cell(per.get(f), 'mean_recall', 1)} | "
                         f"{'' if r is None else f'{r:.2f}'} | {paired_cell(report, loss, f)} |")
             lines.append(row)
+        keys = retrieval_keys(report)
+        if keys and any(paired_difference(report, loss, '1.0', keys[0]) for loss in summary):
+            lines += ['', "Each retrieval value's paired difference from `clip` at 100 % data (percentage points, as "
+                      "Δ recall above; class@1: the top-ranked caption or image is of the query's category):", '',
+                      '| loss |' + ''.join(f' Δ {key} |' for key in keys), '|---|' + '---:|' * len(keys)]
+            lines += [f"| {loss} |" + ''.join(f" {paired_cell(report, loss, '1.0', key)} |" for key in keys)
+                      for loss in summary if loss != 'clip']
         variance = {loss: per['1.0']['variance'] for loss, per in summary.items()
                     if per.get('1.0', {}).get('variance')}
         if variance:
@@ -145,7 +160,10 @@ def main(argv=None):
                       paired_recall_vs_clip={loss: {f: paired_difference(r, loss, f) for f in per}
                                              for loss, per in r['summary'].items()},
                       paired_top1_vs_clip={loss: {f: paired_difference(r, loss, f, 'accuracy', 100) for f in per}
-                                           for loss, per in r['summary'].items()})
+                                           for loss, per in r['summary'].items()},
+                      paired_retrieval_vs_clip={loss: {f: {key: paired_difference(r, loss, f, key)
+                                                           for key in retrieval_keys(r)} for f in per}
+                                                for loss, per in r['summary'].items()})
            for name, r in runs.items()}
     (evidence / 'summary.json').write_text(json.dumps(out, indent=1))
     text = markdown(runs)

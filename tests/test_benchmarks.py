@@ -285,8 +285,11 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
     def entry(top1, recall):
         return dict(seeds=3, accuracy=[top1, 0.01], mean_recall=[recall, 0.5], curve={},
                     variance=dict(plain_image=[1.0, 0], plain_text=[2.0, 0], rho_image=[0.5, 0], rho_text=[0.25, 0]))
-    # per-seed runs of one setting at 100 %: drrho's seed 3 has no clip run to pair with and must not count
-    runs = [dict(loss=loss, fraction=1.0, seed=seed, mean_recall=recall, accuracy=recall / 100)
+    # per-seed runs of one setting at 100 %: drrho's seed 3 has no clip run to pair with and must not count; each
+    # reports class@1 as its recall minus 5 and R@1 as minus its recall, so their paired differences are the recall's
+    # and its negative
+    runs = [dict(loss=loss, fraction=1.0, seed=seed, mean_recall=recall, accuracy=recall / 100,
+                 retrieval={'image_to_text_R@1': -recall, 'image_to_text_class@1': recall - 5})
             for loss, recalls in (('clip', (10.0, 11.0, 12.0)), ('drrho', (12.0, 12.0, 13.0, 0.0)))
             for seed, recall in enumerate(recalls)]
     for name, recall, batch in (('a_batch64', 10.0, 64), ('b_batch512', 4.0, 512)):
@@ -305,6 +308,9 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
                                                                             3, 3]
     assert saved['a_batch64']['paired_top1_vs_clip']['drrho']['1.0'] == saved['a_batch64']['paired_recall_vs_clip'][
         'drrho']['1.0']  # top-1 in %, made equal to the recalls here
+    assert saved['a_batch64']['paired_retrieval_vs_clip']['drrho']['1.0'] == {
+        'image_to_text_R@1': [pytest.approx(-4 / 3), pytest.approx(1 / 3), 0, 3],
+        'image_to_text_class@1': saved['a_batch64']['paired_recall_vs_clip']['drrho']['1.0']}
     assert saved['a_batch64']['paired_recall_vs_clip']['drrho']['0.5'] is None
     assert saved['b_batch512']['paired_recall_vs_clip']['drrho']['1.0'] is None
     text = (tmp_path / 'summary.md').read_text()
@@ -312,6 +318,9 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
     assert '128 samples seen per run, 3 seeds; reference' in text
     assert '| drrho | 40.0 ± 1.0 | 13.0 ± 0.5 | 1.30 | +1.3 ± 0.3 (3/3) | 25.0 ± 1.0 | 10.0 ± 0.5 | 2.00 |  |' in text
     assert '| drrho | 40.0 ± 1.0 | 5.2 ± 0.5 | 1.30 |  |' in text
+    assert '| loss | Δ image_to_text_R@1 | Δ image_to_text_class@1 |\n|---|---:|---:|\n' \
+           '| drrho | -1.3 ± 0.3 (0/3) | +1.3 ± 0.3 (3/3) |' in text
+    assert text.count('Δ image_to_text_R@1') == 1  # b_batch512 has no per-seed runs, so no such table
     assert '| drrho | 1.000 / 2.000 | 0.500 / 0.250 |' in text and (tmp_path / 'summary.png').is_file()
 
 
