@@ -51,7 +51,7 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     (('--loss', 'jest'), 'needs reference features'),
     (('--loss', 'sogclr', '--distill-weight', '0.5'), '--distill-weight: no such option for --loss sogclr'),
     (('--loss', 'drrho', '--no-learn-temperature', '--rho', '3', '--ref-model', 'x'),
-     '--rho has no effect for --loss drrho'),
+     '--rho has no effect for --loss drrho with these flags (a fixed τ; learn it with --learn-temperature'),
     (('--loss', 'drrho', '--temperature', 'auto', '--temperature-optimizer', 'model', '--ref-model', 'x'),
      'give the initial τ'),
     (('--loss', 'sogclr', '--temperature', 'auto'), "which this loss does not shift by"),

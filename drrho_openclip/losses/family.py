@@ -110,7 +110,7 @@ def _rho(o):
 
 def _global_temperature_inactive(o) -> dict:
     if not _learns_temperature(o):
-        why = "a fixed τ; learn it with learn_temperature, or temperature 'auto'"
+        why = "a fixed τ; learn it with --learn-temperature, or give --temperature auto"
         return {k: why for k in ('temperature_optimizer', 'tau_objective', 'lr_tau', 'tau_min', 'tau_max', 'rho',
                                  'target_negatives')}
     unread = {}
