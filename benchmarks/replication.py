@@ -1092,6 +1092,7 @@ def pretrained_reference(args, ref_data, test_data, classes, subsets, work):
 
 def main(argv=None):
     args = parse_args(argv)
+    import torch
     from drrho_openclip.openclip import install_import_hook
     install_import_hook()
     from drrho_openclip.demo import TINY_MODEL, write_tiny_model
@@ -1199,7 +1200,9 @@ def main(argv=None):
                     batch_size=args.batch_size, epochs_at_100=args.epochs, ref_epochs=args.ref_epochs,
                     lr=preset['lr'], samples_seen=samples_seen, seeds=args.seeds, fractions=fractions,
                     variance_samples=size, variance_temperature=VARIANCE_TEMPERATURE, quick=args.quick),
-        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end, "
+        # the CPU's kernel family is recorded because it changes float rounding, and so a run's last digits
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.backends.cpu.get_cpu_capability()} kernels, "
+                f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end, "
                 f"torch threads 1 per worker x {args.jobs} workers",
         reference_description=reference_description, reference_accuracy=ref['accuracy'],
         reference_curve=ref['curve'], reference_test_images=ref['test_images'],
