@@ -88,8 +88,10 @@ def training_cases(work: Path, device: str, quick: bool):
             cases.append((f'train/{loss}/{precision}', _train(model, csv, logs, f'{loss}-{precision}', device,
                                                               precision, 2, flags)))
         if spec.stateful:
+            # a loss whose default γ = 1 keeps no per-sample state (adnce) is given the SogCLR estimator's γ here
+            stateful = ['--gamma', 0.5] if spec.defaults.get('gamma') == 1.0 else []
             cases.append((f'train/{loss}/sharded', _train(model, csv, logs, f'{loss}-sharded', device, precisions[0],
-                                                          2, flags + ['--state-layout', 'sharded'])))
+                                                          2, flags + stateful + ['--state-layout', 'sharded'])))
         if loss in TILEABLE:
             cases.append((f'train/{loss}/tiled', _train(model, csv, logs, f'{loss}-tiled', device, precisions[0], 2,
                                                         flags + ['--tile-size', 16])))

@@ -68,7 +68,7 @@ def _reset_peak_rss():
         return 'ru_maxrss (peak since process start) minus VmRSS before the step'
 
 
-def worker(impl, batch, dim, tile_size, repeats, device, threads):
+def worker(impl, batch, dim, tile_size, repeats, device, threads, precision='fp32'):
     sys.path.insert(0, str(ROOT))
     import torch
     if threads > 0:
@@ -78,8 +78,11 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads):
 
     torch.manual_seed(0)
 
+    # bf16: the features a model under --precision amp_bf16 hands its loss, and the call under bf16 autocast
+    dtype = torch.bfloat16 if precision == 'bf16' else torch.float32
+
     def unit(x):
-        return x / x.norm(dim=1, keepdim=True)
+        return (x / x.norm(dim=1, keepdim=True)).to(dtype)
 
     def make_inputs(n):
         image = unit(torch.randn(n, dim, device=device))
@@ -102,11 +105,12 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads):
         image = image.detach().requires_grad_()
         text = text.detach().requires_grad_()
         logit_scale = torch.tensor(100.0, device=device)
-        if impl == 'clip':
-            value = loss(image, text, logit_scale)
-        else:
-            value = loss(image, text, logit_scale, index=index,
-                         ref_image_features=ref_image, ref_text_features=ref_text)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            if impl == 'clip':
+                value = loss(image, text, logit_scale)
+            else:
+                value = loss(image, text, logit_scale, index=index,
+                             ref_image_features=ref_image, ref_text_features=ref_text)
         value.backward()
         return value.item(), image.grad, text.grad
 
@@ -145,7 +149,7 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads):
         sync()
         times.append(time.perf_counter() - start)
     return dict(impl=impl, batch=batch, dim=dim, tile_size=tile_size if impl == 'tiled' else None,
-                device=device, loss_value=value, peak_gib=(peak - before) / GIB, before_gib=before / GIB,
+                device=device, precision=precision, loss_value=value, peak_gib=(peak - before) / GIB, before_gib=before / GIB,
                 first_step_s=first_s, step_s=statistics.median(times) if times else first_s,
                 step_s_all=times, memory_method=method, threads=torch.get_num_threads(),
                 load_avg_1min=[load_before, os.getloadavg()[0]])
@@ -153,9 +157,9 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads):
 
 # ---- driver ---------------------------------------------------------------------------------------------------
 
-def run_config(impl, batch, dim, tile_size, repeats, device, timeout, threads=0):
+def run_config(impl, batch, dim, tile_size, repeats, device, timeout, threads=0, precision='fp32'):
     cmd = [sys.executable, __file__, '--worker', impl, str(batch), str(dim), str(tile_size), str(repeats), device,
-           str(threads)]
+           str(threads), precision]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -164,6 +168,13 @@ def run_config(impl, batch, dim, tile_size, repeats, device, timeout, threads=0)
         return dict(impl=impl, batch=batch, tile_size=tile_size,
                     error=f'exit {proc.returncode}: {proc.stderr.strip()[-400:]}')
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def device_name(device):
+    if device == 'cuda':
+        import torch
+        return torch.cuda.get_device_name()
+    return f'CPU, {platform.processor() or platform.machine()}'
 
 
 def predict_peak_gib(results, impl, batch):
@@ -185,7 +196,8 @@ def markdown(report):
     lines = [
         "# DRRho loss forward+backward: tiled vs untiled vs OpenCLIP ClipLoss",
         '',
-        f"d = {a['dim']}, float32, world size 1, device `{report['device']}` ({report['machine']}), "
+        f"d = {a['dim']}, {a.get('precision', 'fp32')}, world size 1, device `{report['device']}` "
+        f"({report['device_name']}; {report['machine']}), "
         f"{report['threads']} threads, tile size {a['tile_size']}. "
         f"Memory: {report['memory_method']} (peak on top of the inputs). Time: median of {a['repeats']} "
         f"step(s) after a warm-up step.",
@@ -228,6 +240,8 @@ def main():
     parser.add_argument('--memory-limit-gib', type=float, default=20.0)
     parser.add_argument('--timeout', type=int, default=3600, help='per configuration, seconds')
     parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
+    parser.add_argument('--precision', default='fp32', choices=['fp32', 'bf16'],
+                        help='bf16: bf16 features, the loss called under bf16 autocast (CUDA)')
     parser.add_argument('--threads', type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument('--out-dir', type=Path, default=ROOT / 'benchmarks' / 'results')
     parser.add_argument('--tag', default=None, help='output file name suffix')
@@ -258,11 +272,13 @@ def main():
                 notes.append(note)
                 results.append(dict(impl=impl, batch=batch, skipped=note))
                 continue
-            # the largest batch gets only the memory-measured step (its time is reported): one step is minutes on
-            # a small CPU; the kernels are already warm from the tiny warm-up call
-            reps = repeats if batch < max(batches) or len(batches) == 1 else 0
+            # on a CPU the largest batch gets only the memory-measured step (its time is reported): one step is
+            # minutes there. A GPU's first call at a new size also picks its matrix-product kernels: it is timed
+            # only after that
+            reps = repeats if batch < max(batches) or len(batches) == 1 or args.device == 'cuda' else 0
             t0 = time.time()
-            r = run_config(impl, batch, args.dim, tile_size, reps, args.device, args.timeout, args.threads)
+            r = run_config(impl, batch, args.dim, tile_size, reps, args.device, args.timeout, args.threads,
+                           args.precision)
             results.append(r)
             if 'error' in r:
                 notes.append(f"{impl} at batch {batch} failed: {r['error']}")
@@ -273,7 +289,8 @@ def main():
 
     sweep = []
     for t in sweep_tiles:
-        r = run_config('tiled', sweep_batch, args.dim, t, repeats, args.device, args.timeout, args.threads)
+        r = run_config('tiled', sweep_batch, args.dim, t, repeats, args.device, args.timeout, args.threads,
+                       args.precision)
         sweep.append(r)
         print(f"sweep tile {t:5d} B={sweep_batch}: " + (r['error'] if 'error' in r else
               f"peak {r['peak_gib']:.3f} GiB  step {r['step_s']:.2f} s"), flush=True)
@@ -306,8 +323,8 @@ def main():
     report = dict(
         args=dict(quick=args.quick, batches=batches, dim=args.dim, tile_size=tile_size, repeats=repeats,
                   sweep_tiles=sweep_tiles, sweep_batch=sweep_batch, memory_limit_gib=args.memory_limit_gib,
-                  threads=args.threads),
-        device=args.device, machine=f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs',
+                  threads=args.threads, precision=args.precision),
+        device=args.device, device_name=device_name(args.device), machine=f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs',
         threads=measured[0]['threads'] if measured else None,
         memory_method=measured[0]['memory_method'] if measured else None,
         table=table, notes=notes, results=results, sweep=sweep)
@@ -322,7 +339,8 @@ def main():
 
 if __name__ == '__main__':
     if len(sys.argv) > 1 and sys.argv[1] == '--worker':
-        impl, batch, dim, tile_size, repeats, device, threads = sys.argv[2:9]
-        print(json.dumps(worker(impl, int(batch), int(dim), int(tile_size), int(repeats), device, int(threads))))
+        impl, batch, dim, tile_size, repeats, device, threads, precision = sys.argv[2:10]
+        print(json.dumps(worker(impl, int(batch), int(dim), int(tile_size), int(repeats), device, int(threads),
+                                precision)))
     else:
         main()
