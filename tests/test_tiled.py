@@ -253,6 +253,49 @@ def test_never_materialises_the_pairwise_matrix(normalized_weight):
     assert sizes['tiled'] <= b * tile
 
 
+def _log_g_by_definition(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None):
+    """log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i) written out, every derivative left to autograd."""
+    sim = anchors @ candidates.T
+    ell = sim - sim.diagonal(offset)[:, None]
+    if ref_anchors is not None:
+        ref_sim = ref_anchors @ ref_candidates.T
+        ell = ell - (ref_sim - ref_sim.diagonal(offset)[:, None])
+    logits = ell * (inv_tau.reshape(-1, 1) if inv_tau.dim() else inv_tau)
+    negatives = torch.ones_like(logits, dtype=torch.bool)
+    negatives.diagonal(offset).fill_(False)
+    return torch.logsumexp(logits.masked_fill(~negatives, float('-inf')), dim=1) - math.log(logits.shape[1] - 1)
+
+
+@pytest.mark.parametrize('with_ref', [False, True])
+@pytest.mark.parametrize('inv_tau_kind', ['scalar', 'per_row'])
+@pytest.mark.parametrize('aggregation', ['untiled', 'tiled'])
+def test_matches_the_definition_in_value_and_every_gradient(aggregation, inv_tau_kind, with_ref):
+    """Both aggregations against the plain expression (float64 autograd), the temperature's gradient included,
+    which the aggregations compute in forward and hand to autograd as a first-order term."""
+    fn = log_mean_exp_rows if aggregation == 'untiled' else tiled_rows(4)
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(11, inv_tau_kind, with_ref, ref_grad=with_ref)
+    args = (anchors, candidates, 5, inv_tau, ref_a, ref_c, upstream)
+    definition = _value_and_grads(lambda *a: _log_g_by_definition(*a[:6]), *args)
+    _assert_same(definition, _value_and_grads(fn, *args), tol=1e-10)
+    assert definition[1][2].abs().min() > 1e-3  # the temperature's gradient is not trivially zero
+
+
+@pytest.mark.parametrize('inv_tau_kind', ['scalar', 'per_row'])
+@pytest.mark.parametrize('aggregation', ['untiled', 'tiled'])
+def test_the_temperature_gradient_alone_costs_no_pairwise_pass(aggregation, inv_tau_kind):
+    """A learned τ takes its own gradient inside every forward call: that must not run the aggregation's backward
+    (b×B work, or b×T per tile) a second time."""
+    fn = log_mean_exp_rows if aggregation == 'untiled' else tiled_rows(4)
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(12, inv_tau_kind, True)
+    out = fn(anchors, candidates, 5, inv_tau, ref_a, ref_c)
+    with _LargestTensor() as probe:
+        grad, = torch.autograd.grad(out, inv_tau, upstream, retain_graph=True)
+    assert probe.largest <= B_ANCHORS
+    expected, = torch.autograd.grad(_log_g_by_definition(anchors, candidates, 5, inv_tau, ref_a, ref_c), inv_tau,
+                                    upstream)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-10)
+
+
 def test_rejects_bad_arguments():
     anchors, candidates, inv_tau, *_ = _inputs(1, 'scalar', False)
     with pytest.raises(ValueError, match='tile_size'):

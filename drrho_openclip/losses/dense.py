@@ -33,23 +33,35 @@ def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) ->
     return mask
 
 
+def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
+    """`value` (computed with 1/τ detached) made differentiable in `inv_tau` through its derivative `slope` there:
+    value + slope·(inv_tau − inv_tau.detach()) adds exactly zero. A gradient with respect to τ alone, which a learned
+    temperature takes inside every forward call for its own step, then costs O(b) instead of a second backward pass
+    over the b×B matrices; the training backward gets the same τ-gradient as from the full expression."""
+    if not inv_tau.requires_grad:
+        return value
+    return value + slope * (inv_tau - inv_tau.detach())
+
+
 class _LogMeanExpRows(torch.autograd.Function):
-    """log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i + log w_ij) from a [b, B] similarity block, with the gradient
-    written out by hand: autograd's version of the same expression keeps four b×B matrices for backward (the shifted
-    loss, the logits, the mask, the softmax), this keeps one (the logits) and builds the gradient in one more.
+    """(log g, ∂ log g/∂inv_tau) with log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i + log w_ij) from a [b, B]
+    similarity block, with the gradient written out by hand: autograd's version of the same expression keeps four b×B
+    matrices for backward (the shifted loss, the logits, the mask, the softmax), this keeps one (the softmax) and
+    builds the gradient in place in it.
 
     ∂ log g_i/∂s_ij = inv_tau_i p_ij (j ≠ i) and −inv_tau_i Σ_j p_ij at the positive (ℓ̂ subtracts s_ii from every
     candidate), with p the softmax of row i over the negatives; the reference similarities get the negated gradient;
-    ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij.
+    ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij, computed in forward when `with_slope` (empty otherwise) and not
+    differentiable: `inv_tau` is a constant here, `linear_in_inv_tau` puts the dependence back.
     """
 
     @staticmethod
-    def forward(ctx, sim, ref_sim, inv_tau, log_w, offset):
+    def forward(ctx, sim, ref_sim, inv_tau, log_w, offset, with_slope):
         with autocast_disabled(sim.device):
-            return _LogMeanExpRows._forward(ctx, sim, ref_sim, inv_tau, log_w, offset)
+            return _LogMeanExpRows._forward(ctx, sim, ref_sim, inv_tau, log_w, offset, with_slope)
 
     @staticmethod
-    def _forward(ctx, sim, ref_sim, inv_tau, log_w, offset):
+    def _forward(ctx, sim, ref_sim, inv_tau, log_w, offset, with_slope):
         positive_sim = sim.diagonal(offset)[:, None]
         if ref_sim is None:
             logits = sim - positive_sim
@@ -62,35 +74,41 @@ class _LogMeanExpRows(torch.autograd.Function):
         positives = logits.diagonal(offset)
         positives.fill_(float('-inf'))
         lse = torch.logsumexp(logits, dim=1)
-        positives.zero_()  # backward zeroes the positives' softmax weight; 0·(−inf) would give NaN in Σ_j p_ij·logit_ij
-        ctx.save_for_backward(logits, inv_tau, log_w, lse)
+        positives.zero_()  # the positives' softmax weight is zeroed below; 0·(−inf) would give NaN in Σ_j p_ij·logit_ij
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
+        slope = lse.new_empty(0)
+        if with_slope:
+            p = (logits - lse_safe).exp_()
+            p.diagonal(offset).zero_()
+            # Σ_j p_ij ℓ̂_ij, with ℓ̂_ij = (logit_ij − log w_ij) / inv_tau_i
+            slope = torch.linalg.vecdot(p, logits, dim=1)
+            if log_w is not None:
+                slope -= torch.linalg.vecdot(p, log_w.expand_as(p), dim=1)
+            slope = slope / inv_tau
+            del logits
+        elif any(ctx.needs_input_grad[:2]):
+            p = logits.sub_(lse_safe).exp_()  # the logits are not needed again
+            p.diagonal(offset).zero_()
+        else:
+            p = None
+        ctx.mark_non_differentiable(slope)
+        ctx.save_for_backward(p, inv_tau)
         ctx.offset = offset
-        return lse - math.log(sim.shape[1] - 1)
+        return lse - math.log(sim.shape[1] - 1), slope
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, grad_out):
-        logits, inv_tau, log_w, lse = ctx.saved_tensors
-        need_sim, need_ref, need_tau = ctx.needs_input_grad[:3]
-        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
-        p = (logits - lse_safe).exp_()
-        p.diagonal(ctx.offset).zero_()
-        grad_tau = None
-        if need_tau:
-            # Σ_j p_ij ℓ̂_ij, with ℓ̂_ij = (logit_ij − log w_ij) / inv_tau_i
-            slope = torch.einsum('ij,ij->i', p, logits)
-            if log_w is not None:
-                slope -= torch.einsum('ij,ij->i', p, log_w.expand_as(p))
-            grad_rows = grad_out * slope / inv_tau
-            grad_tau = grad_rows.sum().reshape(inv_tau.shape) if inv_tau.numel() == 1 else grad_rows
+    def backward(ctx, grad_out, _grad_slope):
+        p, inv_tau = ctx.saved_tensors
+        need_sim, need_ref = ctx.needs_input_grad[:2]
         if not (need_sim or need_ref):
-            return None, None, grad_tau, None, None
+            return None, None, None, None, None, None
         coef = (grad_out * inv_tau)[:, None]
         positive_weight = p.sum(dim=1, keepdim=True)
-        grad_sim = p.mul_(coef)
+        grad_sim = p.mul_(coef)  # p is not needed again (backward runs once)
         grad_sim.diagonal(ctx.offset).copy_((-coef * positive_weight).squeeze(1))
-        return (grad_sim if need_sim else None, -grad_sim if need_ref else None, grad_tau, None, None)
+        return (grad_sim if need_sim else None, -grad_sim if need_ref else None, None, None, None, None)
 
 
 def log_mean_exp_sim(
@@ -112,7 +130,8 @@ def log_mean_exp_sim(
     if negative_log_weight is not None:
         mask = positive_mask(sim.shape[0], sim.shape[1], offset, sim.device)
         log_w = negative_log_weight(sim.detach(), mask).detach().to(sim.dtype)
-    return _LogMeanExpRows.apply(sim, ref_sim, inv_tau, log_w, offset)
+    log_g, slope = _LogMeanExpRows.apply(sim, ref_sim, inv_tau.detach(), log_w, offset, inv_tau.requires_grad)
+    return linear_in_inv_tau(log_g, slope, inv_tau)
 
 
 def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,

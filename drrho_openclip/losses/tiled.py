@@ -8,8 +8,9 @@ b×T block of any pairwise matrix (T = `tile_size` columns):
 - forward: a streaming (online) log-sum-exp over column tiles of the candidates, with a running row maximum and a
   running rescaled sum, as in FlashAttention. Only the [b] results and the inputs are kept for backward.
 - backward: every tile is recomputed and its softmax weights p_ij = exp(logit_ij − lse_i) (times the upstream
-  gradient) are turned into the tile's contribution to the gradients of the anchors, of the candidates, of
-  `inv_tau` (scalar or per row) and, should they require it, of the reference features.
+  gradient) are turned into the tile's contribution to the gradients of the anchors, of the candidates and, should
+  they require it, of the reference features. The derivative in `inv_tau` (scalar or per row), Σ_j p_ij ℓ̂_ij, is
+  accumulated in the forward pass when `inv_tau` requires a gradient (`dense.linear_in_inv_tau`).
 
 Memory is O((b + B)·d + b·T); the arithmetic is the untiled one plus one recomputation of the similarities.
 
@@ -39,6 +40,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .dense import linear_in_inv_tau
 from .precision import autocast_disabled, elementwise_dtype, product, without_autocast
 
 __all__ = [
@@ -145,24 +147,26 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size,
-                negative_log_weight):
+                negative_log_weight, with_slope):
         with autocast_disabled(anchors.device):
-            out, lse, s_pos, r_pos = _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset,
-                                                  tile_size, negative_log_weight)
+            out, lse, s_pos, r_pos, slope = _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates,
+                                                         offset, tile_size, negative_log_weight,
+                                                         accumulate_dot='slope' if with_slope else None)
         log_weight = negative_log_weight
         if isinstance(negative_log_weight, RowNormalizedLogWeight):
             log_weight = negative_log_weight.log_weight  # its normaliser is a constant of the graph
         ctx.save_for_backward(anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse)
         ctx.offset, ctx.tile_size, ctx.log_weight = offset, tile_size, log_weight
-        return out
+        ctx.mark_non_differentiable(slope)
+        return out, slope
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_slope):
         anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse = ctx.saved_tensors
         offset, tile_size, log_weight = ctx.offset, ctx.tile_size, ctx.log_weight
-        need_a, need_c, need_tau, need_ra, need_rc = ctx.needs_input_grad[:5]
+        need_a, need_c, _, need_ra, need_rc = ctx.needs_input_grad[:5]
         dtype = elementwise_dtype(anchors.dtype)
         b, num_candidates = anchors.shape[0], candidates.shape[0]
         inv_tau_col = inv_tau.to(dtype).reshape(-1, 1)
@@ -176,24 +180,20 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         grad_c = zeros(candidates) if need_c else None
         grad_ra = zeros(ref_anchors) if need_ra else None
         grad_rc = zeros(ref_candidates) if need_rc else None
-        grad_tau_rows = torch.zeros(b, dtype=dtype, device=anchors.device) if need_tau else None
         weight_rows = torch.zeros(b, dtype=dtype, device=anchors.device)  # Σ_j w_ij, for the positive term
 
         for c0 in range(0, num_candidates, tile_size):
             c1 = min(c0 + tile_size, num_candidates)
             c_tile = candidates[c0:c1]
             rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
-            logits, ell, _ = _TiledLogMeanExpRows._tile_logits(
+            logits, _, _ = _TiledLogMeanExpRows._tile_logits(
                 anchors, c_tile, inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset, log_weight,
-                keep_ell=need_tau)
+                keep_ell=False)
             # w_ij = ∂out_i/∂logit_ij · grad_out_i (0 at the positive); the normaliser of
             # RowNormalizedLogWeight is a constant, so the softmax is the same either way
             w = logits.sub_(lse_safe).exp_().mul_(grad_out[:, None])
             del logits
             weight_rows += w.sum(1)
-            if need_tau:
-                grad_tau_rows += (w * ell).sum(1)
-                del ell
             g = w.mul_(inv_tau_col)  # ∂/∂s_ij of out_i for j ≠ positive (in place: w is no longer needed)
             # the products with the features run in the features' dtype (16-bit: on the tensor cores)
             if need_a:
@@ -217,20 +217,17 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
             grad_ra.add_(coef * ref_candidates[pos])
         if need_rc:
             grad_rc[pos] += coef * ref_anchors
-        grad_tau = None
-        if need_tau:
-            grad_tau = grad_tau_rows.sum() if inv_tau.numel() == 1 else grad_tau_rows
-            grad_tau = grad_tau.reshape(inv_tau.shape).to(inv_tau.dtype)
         grads = [grad if grad is None else grad.to(like.dtype)
                  for grad, like in zip((grad_a, grad_c, grad_ra, grad_rc),
                                        (anchors, candidates, ref_anchors, ref_candidates))]
-        return grads[0], grads[1], grad_tau, grads[2], grads[3], None, None, None
+        return grads[0], grads[1], None, grads[2], grads[3], None, None, None, None
 
 
 def _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size, negative_log_weight,
-                 with_entropy=False):
-    """One streaming pass over the column tiles: (log g, log Σ_{j≠i} exp(logit_ij), s_ii, s^ref_ii) of every row,
-    and with `with_entropy` the entropy −Σ_j p_ij log p_ij of the row's softmax p over its negatives too."""
+                 accumulate_dot=None):
+    """One streaming pass over the column tiles: (log g, log Σ_{j≠i} exp(logit_ij), s_ii, s^ref_ii, slope) of every
+    row, p being the row's softmax over its negatives; `accumulate_dot` 'slope': slope_i = Σ_j p_ij ℓ̂_ij (= ∂ log
+    g_i/∂inv_tau_i; empty otherwise); 'entropy': only the entropy −Σ_j p_ij log p_ij of every row."""
     dtype = elementwise_dtype(anchors.dtype)
     b, num_candidates = anchors.shape[0], candidates.shape[0]
     normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
@@ -241,40 +238,45 @@ def _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, offs
     if ref_anchors is not None:
         r_pos = (ref_anchors.to(dtype) * ref_candidates[offset:offset + b].to(dtype)).sum(1)
     # running max m and running sum Σ exp(logit − m) of every row, and the same for h when normalising; for the
-    # entropy the running Σ exp(logit − m)·logit as well
+    # entropy the running Σ exp(logit − m)·logit as well, for the slope Σ exp(logit − m)·ℓ̂
     run_max = torch.full((b,), float('-inf'), dtype=dtype, device=anchors.device)
     run_sum = torch.zeros(b, dtype=dtype, device=anchors.device)
     w_max, w_sum, run_dot = run_max.clone(), run_sum.clone(), run_sum.clone()
 
-    def accumulate(m, s, x, dot=None):
+    def accumulate(m, s, x, dot=None, values=None):
         m_new = torch.maximum(m, x.max(dim=1).values)
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all −inf so far: no NaN
         rescale = torch.exp(m - m_safe)
         e = torch.exp(x - m_safe[:, None])
         s = s * rescale + e.sum(1)
-        if dot is not None:  # the positive's e is 0 and its logit −inf: leave it out of the product
-            dot = dot * rescale + (e * torch.where(e > 0, x, torch.zeros_like(x))).sum(1)
+        if dot is not None:
+            if values is None:  # the positive's e is 0 and its logit −inf: leave it out of the product
+                values = torch.where(e > 0, x, torch.zeros_like(x))
+            dot = dot * rescale + (e * values).sum(1)
         return m_new, s, dot
 
     for c0 in range(0, num_candidates, tile_size):
         c1 = min(c0 + tile_size, num_candidates)
         rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
-        logits, _, log_w = _TiledLogMeanExpRows._tile_logits(
+        logits, ell, log_w = _TiledLogMeanExpRows._tile_logits(
             anchors, candidates[c0:c1], inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset,
-            log_weight, keep_ell=False, keep_log_w=normalize)
-        run_max, run_sum, run_dot = accumulate(run_max, run_sum, logits, run_dot if with_entropy else None)
+            log_weight, keep_ell=accumulate_dot == 'slope', keep_log_w=normalize)
+        run_max, run_sum, run_dot = accumulate(run_max, run_sum, logits, run_dot if accumulate_dot else None, ell)
         if normalize:
             w_max, w_sum, _ = accumulate(w_max, w_sum, log_w)
-        del logits, log_w
+        del logits, ell, log_w
     lse = run_max + torch.log(run_sum)  # log Σ_{j≠i} exp(logit_ij): what backward's softmax needs
     if normalize:
         out = lse - (w_max + torch.log(w_sum))
     else:
         out = lse - math.log(num_candidates - 1)
-    if with_entropy:
+    if accumulate_dot == 'entropy':
         # H_i = lse_i − Σ_j p_ij logit_ij; normalising h shifts every logit of a row alike, which leaves H unchanged
         return lse - run_dot / run_sum
-    return out, lse, s_pos, r_pos
+    slope = lse.new_empty(0)
+    if accumulate_dot == 'slope':  # a row with no weight anywhere has no slope
+        slope = torch.where(run_sum > 0, run_dot / run_sum, torch.zeros_like(run_sum))
+    return out, lse, s_pos, r_pos, slope
 
 
 def tiled_log_mean_exp_rows(
@@ -299,8 +301,9 @@ def tiled_log_mean_exp_rows(
     """
     inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
     _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
-    return _TiledLogMeanExpRows.apply(anchors, candidates, inv_tau, ref_anchors, ref_candidates, int(offset),
-                                      tile_size, negative_log_weight)
+    log_g, slope = _TiledLogMeanExpRows.apply(anchors, candidates, inv_tau.detach(), ref_anchors, ref_candidates,
+                                              int(offset), tile_size, negative_log_weight, inv_tau.requires_grad)
+    return linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
 
 
 def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
@@ -329,4 +332,4 @@ def negative_weight_entropy(anchors, candidates, offset, inv_tau, ref_anchors=No
     _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
     with autocast_disabled(anchors.device):
         return _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, int(offset), tile_size,
-                            negative_log_weight, with_entropy=True)
+                            negative_log_weight, accumulate_dot='entropy')
