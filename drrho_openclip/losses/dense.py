@@ -33,6 +33,11 @@ def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) ->
     return mask
 
 
+# the softmax beside the logits while the temperature's derivative is taken: in this many blocks of rows (an eighth
+# of a b×B matrix at a time, in a number of steps that does not grow with the batch)
+_SLOPE_BLOCKS = 8
+
+
 def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
     """`value` (computed with 1/τ detached) made differentiable in `inv_tau` through its derivative `slope` there:
     value + slope·(inv_tau − inv_tau.detach()) adds exactly zero. A gradient with respect to τ alone, which a learned
@@ -78,14 +83,22 @@ class _LogMeanExpRows(torch.autograd.Function):
         lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
         slope = lse.new_empty(0)
         if with_slope:
-            p = (logits - lse_safe).exp_()
-            p.diagonal(offset).zero_()
-            # Σ_j p_ij ℓ̂_ij, with ℓ̂_ij = (logit_ij − log w_ij) / inv_tau_i
-            slope = torch.linalg.vecdot(p, logits, dim=1)
-            if log_w is not None:
-                slope -= torch.linalg.vecdot(p, log_w.expand_as(p), dim=1)
-            slope = slope / inv_tau
-            del logits
+            # Σ_j p_ij ℓ̂_ij, with ℓ̂_ij = (logit_ij − log w_ij) / inv_tau_i, needs the logits and the softmax at once:
+            # by blocks of rows, so that beside the logits only a block of the softmax exists, which then overwrites
+            # its logits (a whole second b×B matrix would raise the loss's peak memory by a fifth)
+            slope = torch.empty_like(lse)
+            log_w_rows = log_w.expand_as(logits) if log_w is not None else None
+            block_rows = -(-logits.shape[0] // _SLOPE_BLOCKS)
+            for r0 in range(0, logits.shape[0], block_rows):
+                rows = slice(r0, r0 + block_rows)
+                block = logits[rows]
+                p_block = (block - lse_safe[rows]).exp_()
+                p_block.diagonal(offset + r0).zero_()
+                slope[rows] = torch.linalg.vecdot(p_block, block, dim=1)
+                if log_w_rows is not None:
+                    slope[rows] -= torch.linalg.vecdot(p_block, log_w_rows[rows], dim=1)
+                block.copy_(p_block)
+            p, slope = logits, slope / inv_tau
         elif any(ctx.needs_input_grad[:2]):
             p = logits.sub_(lse_safe).exp_()  # the logits are not needed again
             p.diagonal(offset).zero_()
