@@ -224,7 +224,9 @@ def _csv_batches(args, df, preprocess, tokenizer):
     """The same stream as _ShardBatches for the one shard of a CSV file (its rows `df`)."""
     dataset = _CsvImages(df[args.csv_img_key].tolist(), df[args.csv_caption_key].tolist(), preprocess, tokenizer)
     name, start = shard_name(args.train_data), 0
-    for images, texts in torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers):
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
+                                         pin_memory=torch.device(args.device).type == 'cuda')
+    for images, texts in loader:
         yield name, dataset.paths[start:start + len(images)], images, texts
         start += len(images)
     yield name, None, None, None
@@ -232,9 +234,21 @@ def _csv_batches(args, df, preprocess, tokenizer):
 
 @torch.no_grad()
 def _encode(model, images, texts, device):
-    image_features = model.encode_image(images.to(device), normalize=True)
-    text_features = model.encode_text(texts.to(device), normalize=True)
-    return image_features.float().cpu().numpy(), text_features.float().cpu().numpy()
+    """The batch's features, their copy to the host queued without waiting for it: waiting per batch would keep the
+    host from queuing the next batch while the device works on this one. `_fetch` waits, once per shard."""
+    image_features = model.encode_image(images.to(device, non_blocking=True), normalize=True)
+    text_features = model.encode_text(texts.to(device, non_blocking=True), normalize=True)
+    # from a CUDA device, a non-blocking copy to the host lands in pinned memory and returns at once (`_fetch`
+    # waits for CUDA only, so other devices copy as before)
+    cuda = torch.device(device).type == 'cuda'
+    return (image_features.float().to('cpu', non_blocking=cuda), text_features.float().to('cpu', non_blocking=cuda))
+
+
+def _fetch(features, device) -> np.ndarray:
+    """One shard's features from `_encode`'s batches, once their copies to the host have landed."""
+    if torch.device(device).type == 'cuda':
+        torch.cuda.synchronize(device)
+    return torch.cat(features).numpy()
 
 
 def _compute(args, shards, writer):
@@ -249,7 +263,8 @@ def _compute(args, shards, writer):
         batches, total = _csv_batches(args, df, preprocess, tokenizer), len(df)
     else:
         batches = torch.utils.data.DataLoader(_ShardBatches(shards, preprocess, tokenizer, args.batch_size),
-                                              batch_size=None, num_workers=args.workers)
+                                              batch_size=None, num_workers=args.workers,
+                                              pin_memory=torch.device(args.device).type == 'cuda')
     encoded = {}  # shard name -> its (keys, image features, text features) batches so far
     progress = tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
                     dynamic_ncols=True)
@@ -263,8 +278,8 @@ def _compute(args, shards, writer):
         parts = encoded.pop(name, None)
         if not parts:
             raise SystemExit(f"shard '{name}' holds no image-text samples")
-        writer.add_shard(name, [k for p in parts for k in p[0]], np.concatenate([p[1] for p in parts]),
-                         np.concatenate([p[2] for p in parts]))
+        writer.add_shard(name, [k for p in parts for k in p[0]], _fetch([p[1] for p in parts], args.device),
+                         _fetch([p[2] for p in parts], args.device))
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
     return samples, time.perf_counter() - start
