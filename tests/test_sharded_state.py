@@ -207,7 +207,7 @@ def test_flag_is_rejected_where_there_are_no_tables(capsys):
     assert parse_args(['--loss', 'sogclr']).state_layout == 'auto'
     for argv, message in ((['--loss', 'clip', '--state-layout', 'sharded'], '--state-layout: no such option'),
                           (['--loss', 'drrho', '--ref-model', 'RN50', '--gamma', '1', '--state-layout', 'replicated'],
-                           'nothing to lay out'),
+                           "--state-layout 'replicated' has nothing to lay out"),  # the flag as typed
                           (['--loss', 'sogclr', '--state-layout', 'striped'], 'invalid choice')):
         with pytest.raises(SystemExit):
             parse_args(argv)

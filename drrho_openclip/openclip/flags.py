@@ -2,6 +2,7 @@
 that read it and their defaults), and their checks against the chosen loss, which start the run."""
 import argparse
 import logging
+import re
 import shutil
 import textwrap
 
@@ -23,6 +24,13 @@ OPTION_CHOICES = {'state_layout': STATE_LAYOUTS, 'temperature_optimizer': TEMPER
 
 def flag(option: str) -> str:
     return '--' + option.replace('_', '-')
+
+
+def in_flag_spelling(message: str) -> str:
+    """A loss's error message with its option names as the user typed them (state_layout → --state-layout). Only
+    names with an underscore: a one-word option (gamma, temperature) is also an ordinary word of the prose."""
+    names = sorted((o for o in user_options() if '_' in o), key=len, reverse=True)
+    return re.sub(r'\b(' + '|'.join(names) + r')\b', lambda m: flag(m.group(1)), message) if names else message
 
 
 def user_options() -> dict:
@@ -169,7 +177,7 @@ def check_args(args, parser) -> Run:
         keeps_state = bool(per_sample_tables(
             create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})))
     except ValueError as e:
-        parser.error(f"--loss {args.loss}: {e}")
+        parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
     for option in own:
         setattr(args, option, getattr(options, option))
     in_force = {option: getattr(options, option) for option in own}
