@@ -175,6 +175,29 @@ def test_bf16_loss_is_close_to_the_float32_loss(tile_size):
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
 
 
+@pytest.mark.parametrize('steps', [1, 2])
+def test_balanced_multiplies_16_bit_features_in_16_bit_once(steps):
+    """The balanced loss like the DRO core: bf16 features multiply in bf16 (float32 accumulation, balancing in
+    float32), close to the float32 path on the same values; one process computes each pairwise matrix once (the text
+    rows' similarities are the image rows' transposed): two products forward (the pairs, the reference), two back."""
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        loss = create_loss('balanced', balance_steps=steps, reference_shift=True)
+        g = torch.Generator().manual_seed(5)
+        image, text, ref_image, ref_text = (grid(g, 10).to(torch.bfloat16).to(dtype) for _ in range(4))
+        image.requires_grad_(), text.requires_grad_()
+        with _ProductDtypes() as products:
+            total = loss(image, text, torch.tensor(5.0), ref_image_features=ref_image, ref_text_features=ref_text)
+            grads = torch.autograd.grad(total, [image, text])
+        assert len(products.seen) == 4 and all(set(d) == {dtype} for d in products.seen), products.seen
+        results.append([total, *grads])
+    (total, *grads), (want_total, *want_grads) = results
+    assert total.dtype == torch.float32
+    torch.testing.assert_close(total, want_total, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # backward inside the caller's autocast region (OpenCLIP calls backward outside it; other loops need not)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from .base import LastCallMetrics, ReferenceFeatures
 from .collectives import gather_batch
-from .precision import at_least_float32, autocast_disabled
+from .precision import autocast_disabled, pairwise_dtype, product, similarities
 
 
 def column_logsumexp(x: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -58,19 +58,27 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         device = image_features.device
         with autocast_disabled(device):
-            image_features, text_features = at_least_float32(image_features), at_least_float32(text_features)
-            all_image = gather_batch(image_features, self.world_size, with_grad=True, device=device)
-            all_text = gather_batch(text_features, self.world_size, with_grad=True, device=device)
-            tau = self.temperature(logit_scale=logit_scale)[0].to(image_features)
+            # 16-bit features stay 16-bit for the products (float32 accumulation); the balancing runs in float32
+            dtype = pairwise_dtype(image_features, text_features)
+            image, text = image_features.to(dtype), text_features.to(dtype)
+            all_image = gather_batch(image, self.world_size, with_grad=True, device=device)
+            all_text = gather_batch(text, self.world_size, with_grad=True, device=device)
+            # one process holds the whole batch: the text rows' similarities are the image rows' transposed
+            whole_batch = self.world_size == 1
+            sim_image = similarities(image, all_text)
+            sim_text = sim_image.T if whole_batch else similarities(text, all_image)
+            tau = self.temperature(logit_scale=logit_scale)[0].to(sim_image.dtype)
             if accum_step:  # a later call on the same window: τ's gradient came whole with the first call
                 tau = tau.detach()
-            sim_image, sim_text = image_features @ all_text.T, text_features @ all_image.T
             if self.use_reference:
-                ref_image, ref_text = at_least_float32(ref_image_features), at_least_float32(ref_text_features)
+                ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)
-                all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False, device=device)
-                sim_image = sim_image - ref_image @ all_ref_text.T
-                sim_text = sim_text - ref_text @ all_ref_image.T
+                sim_image = sim_image - product(ref_image, all_ref_text.T)
+                if whole_batch:
+                    sim_text = sim_image.T
+                else:
+                    all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False, device=device)
+                    sim_text = sim_text - product(ref_text, all_ref_image.T)
             logits_image, logits_text = sim_image / tau, sim_text / tau
             rows = torch.arange(logits_image.shape[0], device=logits_image.device)
             positives = (rows, rows + self.rank * logits_image.shape[0])
@@ -78,6 +86,8 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             q = balance(logits_text, self.steps, self.world_size)
             loss = -(p[positives] + q[positives]).mean() / 2
             with torch.no_grad():  # CLIP's loss (k = 1) alongside: k ≥ 2 collapsing towards 0 alone is the warning
-                clip = -(logits_image.log_softmax(1)[positives] + logits_text.log_softmax(1)[positives]).mean() / 2
+                # log_softmax at the positives only: one reduction per row instead of a whole b×B result
+                clip = -((logits_image[positives] - logits_image.logsumexp(1))
+                         + (logits_text[positives] - logits_text.logsumexp(1))).mean() / 2
             self._last = {'clip_loss': clip, 'tau': tau.detach()}
         return {'contrastive_loss': loss} if output_dict else loss

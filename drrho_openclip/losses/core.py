@@ -26,17 +26,10 @@ from .base import ReferenceFeatures
 from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
-from .precision import HALF_DTYPES, at_least_float32, autocast_disabled, elementwise_dtype
+from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
 from .state import MovingAverageState, SampleSharding, per_sample_tables
 from .temperatures import rho_for_batch
 from .tiled import negative_weight_entropy
-
-
-def pairwise_dtype(image_features: torch.Tensor, text_features: torch.Tensor) -> torch.dtype:
-    """The dtype of the loss's pairwise products: the features' own when both are the same 16-bit dtype (tensor
-    cores), else float32 or wider."""
-    dtype = torch.promote_types(image_features.dtype, text_features.dtype)
-    return dtype if dtype in HALF_DTYPES else elementwise_dtype(dtype)
 
 
 def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) -> torch.Tensor:

@@ -41,6 +41,13 @@ def elementwise_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def pairwise_dtype(image_features: torch.Tensor, text_features: torch.Tensor) -> torch.dtype:
+    """The dtype of the loss's pairwise products: the features' own when both are the same 16-bit dtype (tensor
+    cores), else float32 or wider."""
+    dtype = torch.promote_types(image_features.dtype, text_features.dtype)
+    return dtype if dtype in HALF_DTYPES else elementwise_dtype(dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _has_float32_output_mm(device: torch.device) -> bool:
     # `torch.mm(..., out_dtype=torch.float32)` exists for CUDA tensors only (CPU raises NotImplementedError), and
