@@ -49,31 +49,27 @@ def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.T
 
 
 class _LogMeanExpRows(torch.autograd.Function):
-    """(log g, ∂ log g/∂inv_tau) with log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i + log w_ij) from a [b, B]
-    similarity block, with the gradient written out by hand: autograd's version of the same expression keeps four b×B
-    matrices for backward (the shifted loss, the logits, the mask, the softmax), this keeps one (the softmax) and
-    builds the gradient in place in it.
+    """(log g, ∂ log g/∂inv_tau) with log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i + log w_ij) from a [b, B] block of
+    shifted similarities d (s, or s − s^ref), ℓ̂_ij = d_ij − d_ii, with the gradient written out by hand: autograd's
+    version of the same expression keeps four b×B matrices for backward (the shifted loss, the logits, the mask, the
+    softmax), this keeps one (the softmax) and builds the gradient in place in it.
 
-    ∂ log g_i/∂s_ij = inv_tau_i p_ij (j ≠ i) and −inv_tau_i Σ_j p_ij at the positive (ℓ̂ subtracts s_ii from every
-    candidate), with p the softmax of row i over the negatives; the reference similarities get the negated gradient;
-    ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij, computed in forward when `with_slope` (empty otherwise) and not
-    differentiable: `inv_tau` is a constant here, `linear_in_inv_tau` puts the dependence back.
+    ∂ log g_i/∂d_ij = inv_tau_i p_ij (j ≠ i) and −inv_tau_i Σ_j p_ij at the positive (ℓ̂ subtracts d_ii from every
+    candidate), with p the softmax of row i over the negatives; ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij, computed in
+    forward when `with_slope` (empty otherwise) and not differentiable: `inv_tau` is a constant here,
+    `linear_in_inv_tau` puts the dependence back.
     """
 
     @staticmethod
-    def forward(ctx, sim, ref_sim, inv_tau, log_w, offset, with_slope):
-        with autocast_disabled(sim.device):
-            return _LogMeanExpRows._forward(ctx, sim, ref_sim, inv_tau, log_w, offset, with_slope)
+    def forward(ctx, shifted, inv_tau, log_w, offset, with_slope):
+        with autocast_disabled(shifted.device):
+            return _LogMeanExpRows._forward(ctx, shifted, inv_tau, log_w, offset, with_slope)
 
     @staticmethod
-    def _forward(ctx, sim, ref_sim, inv_tau, log_w, offset, with_slope):
-        positive_sim = sim.diagonal(offset)[:, None]
-        if ref_sim is None:
-            logits = sim - positive_sim
-        else:
-            logits = (sim - ref_sim).sub_(positive_sim - ref_sim.diagonal(offset)[:, None])
+    def _forward(ctx, shifted, inv_tau, log_w, offset, with_slope):
         inv_tau_col = inv_tau.reshape(-1, 1) if inv_tau.dim() else inv_tau
-        logits.mul_(inv_tau_col)
+        # (d_ij − d_ii)·inv_tau_i in one pass over the block
+        logits = torch.addcmul(-shifted.diagonal(offset)[:, None] * inv_tau_col, shifted, inv_tau_col)
         if log_w is not None:
             logits.add_(log_w)
         positives = logits.diagonal(offset)
@@ -99,7 +95,7 @@ class _LogMeanExpRows(torch.autograd.Function):
                     slope[rows] -= torch.linalg.vecdot(p_block, log_w_rows[rows], dim=1)
                 block.copy_(p_block)
             p, slope = logits, slope / inv_tau
-        elif any(ctx.needs_input_grad[:2]):
+        elif ctx.needs_input_grad[0]:
             p = logits.sub_(lse_safe).exp_()  # the logits are not needed again
             p.diagonal(offset).zero_()
         else:
@@ -107,21 +103,20 @@ class _LogMeanExpRows(torch.autograd.Function):
         ctx.mark_non_differentiable(slope)
         ctx.save_for_backward(p, inv_tau)
         ctx.offset = offset
-        return lse - math.log(sim.shape[1] - 1), slope
+        return lse - math.log(shifted.shape[1] - 1), slope
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx, grad_out, _grad_slope):
         p, inv_tau = ctx.saved_tensors
-        need_sim, need_ref = ctx.needs_input_grad[:2]
-        if not (need_sim or need_ref):
-            return None, None, None, None, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
         coef = (grad_out * inv_tau)[:, None]
         positive_weight = p.sum(dim=1, keepdim=True)
-        grad_sim = p.mul_(coef)  # p is not needed again (backward runs once)
-        grad_sim.diagonal(ctx.offset).copy_((-coef * positive_weight).squeeze(1))
-        return (grad_sim if need_sim else None, -grad_sim if need_ref else None, None, None, None, None)
+        grad = p.mul_(coef)  # p is not needed again (backward runs once)
+        grad.diagonal(ctx.offset).copy_((-coef * positive_weight).squeeze(1))
+        return grad, None, None, None, None
 
 
 def log_mean_exp_sim(
@@ -138,12 +133,19 @@ def log_mean_exp_sim(
     `negative_log_weight(sim, positive_mask)` returns [b, B] log-weights of the candidates (e.g. ADNCE), constants of
     the graph; it sees the raw similarities.
     """
-    inv_tau = torch.as_tensor(inv_tau, dtype=sim.dtype, device=sim.device)
+    shifted = sim if ref_sim is None else sim - ref_sim
+    return _log_mean_exp_shifted(shifted, sim, offset, inv_tau, negative_log_weight)
+
+
+def _log_mean_exp_shifted(shifted, sim, offset, inv_tau, negative_log_weight):
+    """`log_mean_exp_sim` from the shifted similarities (s, or s − s^ref); `sim`, the raw ones, is read by the
+    log-weights only (None without them)."""
+    inv_tau = torch.as_tensor(inv_tau, dtype=shifted.dtype, device=shifted.device)
     log_w = None
     if negative_log_weight is not None:
         mask = positive_mask(sim.shape[0], sim.shape[1], offset, sim.device)
-        log_w = negative_log_weight(sim.detach(), mask).detach().to(sim.dtype)
-    log_g, slope = _LogMeanExpRows.apply(sim, ref_sim, inv_tau.detach(), log_w, offset, inv_tau.requires_grad)
+        log_w = negative_log_weight(sim.detach(), mask).detach().to(shifted.dtype)
+    log_g, slope = _LogMeanExpRows.apply(shifted, inv_tau.detach(), log_w, offset, inv_tau.requires_grad)
     return linear_in_inv_tau(log_g, slope, inv_tau)
 
 
@@ -153,17 +155,20 @@ def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
     (the contract in the module docstring).
 
     When the anchors are the whole batch (one process) the text direction's similarities are the transpose of the
-    image direction's: one matrix product serves both, and backward sums both directions' gradients into it before
-    the two products with the features.
+    image direction's: one matrix product (and one reference shift s − s^ref) serves both, and backward sums both
+    directions' gradients into it before the two products with the features.
     """
     with autocast_disabled(image.device):
         whole_batch = image is all_image and text is all_text
         sim_image = similarities(image, all_text)
         sim_text = sim_image.T if whole_batch else similarities(text, all_image)
-        ref_sim_image = ref_sim_text = None
+        shifted_image, shifted_text = sim_image, sim_text
         if reference is not None:
             ref_image, ref_text, all_ref_image, all_ref_text = reference
-            ref_sim_image = similarities(ref_image, all_ref_text)
-            ref_sim_text = ref_sim_image.T if whole_batch else similarities(ref_text, all_ref_image)
-        return (log_mean_exp_sim(sim_image, offset, inv_tau_image, ref_sim_image, negative_log_weight),
-                log_mean_exp_sim(sim_text, offset, inv_tau_text, ref_sim_text, negative_log_weight))
+            shifted_image = sim_image - similarities(ref_image, all_ref_text)
+            shifted_text = shifted_image.T if whole_batch else sim_text - similarities(ref_text, all_ref_image)
+        # the raw similarities are needed for the log-weights only (e.g. ADNCE's): otherwise they are let go here
+        raw_image, raw_text = (sim_image, sim_text) if negative_log_weight is not None else (None, None)
+        del sim_image, sim_text
+        return (_log_mean_exp_shifted(shifted_image, raw_image, offset, inv_tau_image, negative_log_weight),
+                _log_mean_exp_shifted(shifted_text, raw_text, offset, inv_tau_text, negative_log_weight))
