@@ -33,8 +33,8 @@ def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) ->
     return mask
 
 
-# the softmax beside the logits while the temperature's derivative is taken: in this many blocks of rows (an eighth
-# of a b×B matrix at a time, in a number of steps that does not grow with the batch)
+# the temperature's derivative multiplies two b×B matrices elementwise: in this many blocks of rows (an eighth of a
+# b×B matrix at a time, in a number of steps that does not grow with the batch)
 _SLOPE_BLOCKS = 8
 
 
@@ -72,34 +72,21 @@ class _LogMeanExpRows(torch.autograd.Function):
         logits = torch.addcmul(-shifted.diagonal(offset)[:, None] * inv_tau_col, shifted, inv_tau_col)
         if log_w is not None:
             logits.add_(log_w)
-        positives = logits.diagonal(offset)
-        positives.fill_(float('-inf'))
+        logits.diagonal(offset).fill_(float('-inf'))  # the positives: out of the sum, and a softmax weight of 0
         lse = torch.logsumexp(logits, dim=1)
-        positives.zero_()  # the positives' softmax weight is zeroed below; 0·(−inf) would give NaN in Σ_j p_ij·logit_ij
         lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
         slope = lse.new_empty(0)
-        if with_slope:
-            # Σ_j p_ij ℓ̂_ij, with ℓ̂_ij = (logit_ij − log w_ij) / inv_tau_i, needs the logits and the softmax at once:
-            # by blocks of rows, so that beside the logits only a block of the softmax exists, which then overwrites
-            # its logits (a whole second b×B matrix would raise the loss's peak memory by a fifth)
-            slope = torch.empty_like(lse)
-            log_w_rows = log_w.expand_as(logits) if log_w is not None else None
-            block_rows = -(-logits.shape[0] // _SLOPE_BLOCKS)
-            for r0 in range(0, logits.shape[0], block_rows):
-                rows = slice(r0, r0 + block_rows)
-                block = logits[rows]
-                p_block = (block - lse_safe[rows]).exp_()
-                p_block.diagonal(offset + r0).zero_()
-                slope[rows] = torch.linalg.vecdot(p_block, block, dim=1)
-                if log_w_rows is not None:
-                    slope[rows] -= torch.linalg.vecdot(p_block, log_w_rows[rows], dim=1)
-                block.copy_(p_block)
-            p, slope = logits, slope / inv_tau
-        elif ctx.needs_input_grad[0]:
+        if with_slope or ctx.needs_input_grad[0]:
             p = logits.sub_(lse_safe).exp_()  # the logits are not needed again
-            p.diagonal(offset).zero_()
         else:
             p = None
+        if with_slope:
+            # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (ℓ̂_ij = d_ij − d_ii, whatever the log-weights): the products
+            # p_ij d_ij by blocks of rows, so that only a fraction of a b×B matrix is ever added to the loss's memory
+            block_rows = -(-p.shape[0] // _SLOPE_BLOCKS)
+            weighted = torch.cat([torch.linalg.vecdot(p[r0:r0 + block_rows], shifted[r0:r0 + block_rows], dim=1)
+                                  for r0 in range(0, p.shape[0], block_rows)])
+            slope = weighted - shifted.diagonal(offset) * p.sum(dim=1)
         ctx.mark_non_differentiable(slope)
         ctx.save_for_backward(p, inv_tau)
         ctx.offset = offset
