@@ -416,3 +416,21 @@ def test_temperature_trajectory_reads_every_logged_step_of_a_real_run(shapes, tm
     summary = replication.summarize_temperature([trajectory, trajectory])
     assert summary['start'] == (pytest.approx(start, rel=1e-4), 0.0) and summary['steps'] == list(range(1, 9))
     assert ('effective_negatives_end' in summary) == (loss_flags[1] == 'drrho')
+
+
+def test_pairwise_traffic_counts_matrix_bytes_and_not_views(tmp_path):
+    import pairwise_traffic
+    b, d = 64, 2  # features of b·d < b²/16 elements: below the threshold
+    x, y = torch.randn(b, d), torch.randn(b, d)
+    with pairwise_traffic.PairwiseTraffic(b) as traffic:
+        sim = x @ y.T                     # writes one b×b float32 matrix, reads features below the threshold
+        view = sim.T.diagonal()           # views move nothing
+        doubled = sim.T * 2               # reads one, writes one
+    assert view.numel() == b and doubled.shape == (b, b)
+    assert (traffic.read, traffic.written) == (1.0, 2.0)
+    # the whole run: every registered loss, ClipLoss the unit of the ratios
+    assert pairwise_traffic.main(['--batch', '64', '--output', str(tmp_path / 'traffic')]) == 0
+    report = json.loads((tmp_path / 'traffic.json').read_text())
+    from drrho_openclip.losses import list_losses
+    assert set(report['results']) == {'ClipLoss', *list_losses()}
+    assert report['results']['ClipLoss']['ratio'] == 1.0 and report['results']['drrho']['total'] > 0
