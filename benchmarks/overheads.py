@@ -368,7 +368,7 @@ def main(argv=None):
     repeats = 2 if args.smoke else args.repeats
     train_batch = args.train_batch or (16 if args.smoke else 1024 if cuda else 256)
     train_samples = train_batch * (WARMUP_STEPS + (2 if args.smoke else 8))
-    train_repeats = 1 if args.smoke else args.train_repeats
+    train_repeats = min(1, args.train_repeats) if args.smoke else args.train_repeats
     names = [BASELINE, *list_losses()]
     # --smoke checks the memory path on the drrho/ClipLoss pair at one size only: each measurement is a process
     memory_names, memory_sizes = ([BASELINE, 'drrho'], sizes[:1]) if args.smoke else (names, sizes)
