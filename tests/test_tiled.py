@@ -280,6 +280,16 @@ def test_matches_the_definition_in_value_and_every_gradient(aggregation, inv_tau
     assert definition[1][2].abs().min() > 1e-3  # the temperature's gradient is not trivially zero
 
 
+@pytest.mark.parametrize('aggregation', ['untiled', 'tiled'])
+def test_temperature_gradient_with_negative_log_weights(aggregation):
+    """The weights are constants of the graph, so the derivative in 1/τ alone can be checked numerically."""
+    fn = log_mean_exp_rows if aggregation == 'untiled' else tiled_rows(4)
+    anchors, candidates, inv_tau, ref_a, ref_c, _ = _inputs(13, 'per_row', True)
+    anchors, candidates = anchors.detach(), candidates.detach()
+    nlw = RowNormalizedLogWeight(_elementwise_log_weight)
+    assert torch.autograd.gradcheck(lambda t: fn(anchors, candidates, 5, t, ref_a, ref_c, nlw), (inv_tau,))
+
+
 @pytest.mark.parametrize('inv_tau_kind', ['scalar', 'per_row'])
 @pytest.mark.parametrize('aggregation', ['untiled', 'tiled'])
 def test_the_temperature_gradient_alone_costs_no_pairwise_pass(aggregation, inv_tau_kind):
