@@ -78,17 +78,18 @@ class _LogMeanExpRows(torch.autograd.Function):
         slope = lse.new_empty(0)
         if with_slope or ctx.needs_input_grad[0]:
             p = logits.sub_(lse_safe).exp_()  # the logits are not needed again
+            weight = p.sum(dim=1)  # Σ_j p_ij: the slope and backward's positive term both read it
         else:
-            p = None
+            p = weight = None
         if with_slope:
             # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (ℓ̂_ij = d_ij − d_ii, whatever the log-weights): the products
             # p_ij d_ij by blocks of rows, so that only a fraction of a b×B matrix is ever added to the loss's memory
             block_rows = -(-p.shape[0] // _SLOPE_BLOCKS)
             weighted = torch.cat([torch.linalg.vecdot(p[r0:r0 + block_rows], shifted[r0:r0 + block_rows], dim=1)
                                   for r0 in range(0, p.shape[0], block_rows)])
-            slope = weighted - shifted.diagonal(offset) * p.sum(dim=1)
+            slope = weighted - shifted.diagonal(offset) * weight
         ctx.mark_non_differentiable(slope)
-        ctx.save_for_backward(p, inv_tau)
+        ctx.save_for_backward(p, weight, inv_tau)
         ctx.offset = offset
         return lse - math.log(shifted.shape[1] - 1), slope
 
@@ -96,13 +97,12 @@ class _LogMeanExpRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx, grad_out, _grad_slope):
-        p, inv_tau = ctx.saved_tensors
+        p, weight, inv_tau = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         coef = (grad_out * inv_tau)[:, None]
-        positive_weight = p.sum(dim=1, keepdim=True)
         grad = p.mul_(coef)  # p is not needed again (backward runs once)
-        grad.diagonal(ctx.offset).copy_((-coef * positive_weight).squeeze(1))
+        grad.diagonal(ctx.offset).copy_((-coef * weight[:, None]).squeeze(1))
         return grad, None, None, None, None
 
 
