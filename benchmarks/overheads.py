@@ -55,7 +55,8 @@ HERE = Path(__file__).resolve().parent
 BASELINE = 'ClipLoss'  # open_clip.loss.ClipLoss, the yardstick
 SIZES = {'cpu': [256, 1024, 4096], 'cuda': [256, 1024, 4096, 16384, 32768], 'smoke': [32, 64]}
 WARMUP_STEPS = 2
-TRAIN_WORKERS = 8  # CUDA: data-loading processes of the training step and of its features' precompute (224 px decoding)
+# CUDA: data-loading processes of the training step and of its features' precompute (224 px decoding)
+TRAIN_WORKERS = 8
 GOALS = {'loss': 1.0, 'step': 1.03}  # drrho's targets (the GPU issue's): loss time vs ClipLoss, training step vs --loss clip
 
 

@@ -149,7 +149,8 @@ def worker(impl, batch, dim, tile_size, repeats, device, threads, precision='fp3
         sync()
         times.append(time.perf_counter() - start)
     return dict(impl=impl, batch=batch, dim=dim, tile_size=tile_size if impl == 'tiled' else None,
-                device=device, precision=precision, loss_value=value, peak_gib=(peak - before) / GIB, before_gib=before / GIB,
+                device=device, precision=precision, loss_value=value, peak_gib=(peak - before) / GIB,
+                before_gib=before / GIB,
                 first_step_s=first_s, step_s=statistics.median(times) if times else first_s,
                 step_s_all=times, memory_method=method, threads=torch.get_num_threads(),
                 load_avg_1min=[load_before, os.getloadavg()[0]])
@@ -324,7 +325,8 @@ def main():
         args=dict(quick=args.quick, batches=batches, dim=args.dim, tile_size=tile_size, repeats=repeats,
                   sweep_tiles=sweep_tiles, sweep_batch=sweep_batch, memory_limit_gib=args.memory_limit_gib,
                   threads=args.threads, precision=args.precision),
-        device=args.device, device_name=device_name(args.device), machine=f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs',
+        device=args.device, device_name=device_name(args.device),
+        machine=f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs',
         threads=measured[0]['threads'] if measured else None,
         memory_method=measured[0]['memory_method'] if measured else None,
         table=table, notes=notes, results=results, sweep=sweep)

@@ -225,11 +225,16 @@ def _csv_batches(args, df, preprocess, tokenizer):
     dataset = _CsvImages(df[args.csv_img_key].tolist(), df[args.csv_caption_key].tolist(), preprocess, tokenizer)
     name, start = shard_name(args.train_data), 0
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
-                                         pin_memory=torch.device(args.device).type == 'cuda')
+                                         pin_memory=_is_cuda(args.device))
     for images, texts in loader:
         yield name, dataset.paths[start:start + len(images)], images, texts
         start += len(images)
     yield name, None, None, None
+
+
+def _is_cuda(device) -> bool:
+    """Where pinned batches, non-blocking copies and one wait per shard apply."""
+    return torch.device(device).type == 'cuda'
 
 
 @torch.no_grad()
@@ -240,13 +245,13 @@ def _encode(model, images, texts, device):
     text_features = model.encode_text(texts.to(device, non_blocking=True), normalize=True)
     # from a CUDA device, a non-blocking copy to the host lands in pinned memory and returns at once (`_fetch`
     # waits for CUDA only, so other devices copy as before)
-    cuda = torch.device(device).type == 'cuda'
+    cuda = _is_cuda(device)
     return (image_features.float().to('cpu', non_blocking=cuda), text_features.float().to('cpu', non_blocking=cuda))
 
 
 def _fetch(features, device) -> np.ndarray:
     """One shard's features from `_encode`'s batches, once their copies to the host have landed."""
-    if torch.device(device).type == 'cuda':
+    if _is_cuda(device):
         torch.cuda.synchronize(device)
     return torch.cat(features).numpy()
 
@@ -264,7 +269,7 @@ def _compute(args, shards, writer):
     else:
         batches = torch.utils.data.DataLoader(_ShardBatches(shards, preprocess, tokenizer, args.batch_size),
                                               batch_size=None, num_workers=args.workers,
-                                              pin_memory=torch.device(args.device).type == 'cuda')
+                                              pin_memory=_is_cuda(args.device))
     encoded = {}  # shard name -> its (keys, image features, text features) batches so far
     progress = tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
                     dynamic_ncols=True)
