@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Tuple
 
 import braceexpand
 import numpy as np
@@ -249,11 +250,12 @@ def _encode(model, images, texts, device):
     return (image_features.float().to('cpu', non_blocking=cuda), text_features.float().to('cpu', non_blocking=cuda))
 
 
-def _fetch(features, device) -> np.ndarray:
-    """One shard's features from `_encode`'s batches, once their copies to the host have landed."""
+def _fetch(parts, device) -> Tuple[np.ndarray, np.ndarray]:
+    """One shard's (image, text) features from its `_encode` parts (keys, image, text), once their copies to the
+    host have landed: one wait for the whole shard."""
     if _is_cuda(device):
         torch.cuda.synchronize(device)
-    return torch.cat(features).numpy()
+    return torch.cat([p[1] for p in parts]).numpy(), torch.cat([p[2] for p in parts]).numpy()
 
 
 def _compute(args, shards, writer):
@@ -283,8 +285,7 @@ def _compute(args, shards, writer):
         parts = encoded.pop(name, None)
         if not parts:
             raise SystemExit(f"shard '{name}' holds no image-text samples")
-        writer.add_shard(name, [k for p in parts for k in p[0]], _fetch([p[1] for p in parts], args.device),
-                         _fetch([p[2] for p in parts], args.device))
+        writer.add_shard(name, [k for p in parts for k in p[0]], *_fetch(parts, args.device))
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
     return samples, time.perf_counter() - start
