@@ -51,13 +51,16 @@ import sys
 import time
 from pathlib import Path
 
+from tiled_memory import device_name
+
 HERE = Path(__file__).resolve().parent
 BASELINE = 'ClipLoss'  # open_clip.loss.ClipLoss, the yardstick
 SIZES = {'cpu': [256, 1024, 4096], 'cuda': [256, 1024, 4096, 16384, 32768], 'smoke': [32, 64]}
 WARMUP_STEPS = 2
 # CUDA: data-loading processes of the training step and of its features' precompute (224 px decoding)
 TRAIN_WORKERS = 8
-GOALS = {'loss': 1.0, 'step': 1.03}  # drrho's targets (the GPU issue's): loss time vs ClipLoss, training step vs --loss clip
+# drrho's targets (the GPU issue's): loss time vs ClipLoss, training step vs --loss clip
+GOALS = {'loss': 1.0, 'step': 1.03}
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------
@@ -405,8 +408,7 @@ def main(argv=None):
     report = dict(
         config=dict(device=args.device, cuda=cuda, precision=args.precision if cuda else 'fp32', dim=dim, sizes=sizes,
                     repeats=repeats, memory_sizes=memory_sizes,
-                    device_name=torch.cuda.get_device_name() if cuda else
-                    f"CPU, {platform.processor() or platform.machine()}"),
+                    device_name=device_name(args.device)),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                 f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} (1 min) at the end",
         loss_memory_method=memory_method, training_memory_method=training.pop('memory_method', None),

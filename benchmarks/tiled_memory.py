@@ -172,7 +172,8 @@ def run_config(impl, batch, dim, tile_size, repeats, device, timeout, threads=0,
 
 
 def device_name(device):
-    if device == 'cuda':
+    """What the measurements ran on, in words: the GPU's name, or the CPU's."""
+    if device.startswith('cuda'):
         import torch
         return torch.cuda.get_device_name()
     return f'CPU, {platform.processor() or platform.machine()}'
