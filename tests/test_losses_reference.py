@@ -156,6 +156,37 @@ def test_learnable_temperature_gradient(name):
             assert_close(dtau, grads(objective, tau_leaf)[0])
 
 
+@pytest.mark.parametrize('tile_size', [0, 4])
+@pytest.mark.parametrize('alpha', [0.0, 0.5, 1.7])
+def test_reference_weight_scales_the_shift(alpha, tile_size):
+    """--reference-weight α: ℓ̂_ij = ℓ_ij − α(s^ref_ij − s^ref_ii). With γ = 1 the loss is the mini-batch objective
+    of Appendix C.3, so its value and its gradients in the features and in the learned τ are autograd's on the
+    formula; dense and tiled (4 columns of 7) alike."""
+    n, eps, rho = 7, 1e-3, 0.7
+    loss = create_loss('drrho', gamma=1.0, epsilon=eps, rho=rho, temperature=0.07, temperature_optimizer='model',
+                       reference_weight=alpha, tile_size=tile_size)
+    image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(5), n)
+    logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
+    out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text)
+
+    tau = 1 / logit_scale
+    ell_image = shifted_loss(image, text) - alpha * shifted_loss(ref_image, ref_text)
+    ell_text = shifted_loss(text, image) - alpha * shifted_loss(ref_text, ref_image)
+    want = (tau * torch.log(eps + inner_mean(ell_image, tau))
+            + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
+    assert_close(out, want)
+    assert_close(grads(out, (image, text, logit_scale)), grads(want, (image, text, logit_scale)))
+    paper = create_loss('drrho', gamma=1.0, epsilon=eps, rho=rho, temperature=0.07, temperature_optimizer='model',
+                        tile_size=tile_size)(image, text, logit_scale, ref_image_features=ref_image,
+                                             ref_text_features=ref_text)
+    assert not torch.isclose(out, paper)  # α is not silently dropped
+
+
+def test_reference_weight_must_not_be_negative():
+    with pytest.raises(ValueError, match='α must be ≥ 0'):
+        create_loss('drrho', num_samples=4, reference_weight=-0.5)
+
+
 def test_fastclip_is_a_registration_over_the_core():
     from drrho_openclip.losses import get_loss_spec
     spec = get_loss_spec('fastclip')

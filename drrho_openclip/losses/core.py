@@ -2,7 +2,8 @@
 
 A loss is four choices over the same computation, per anchor i and direction (image→text, text→image):
 
-- pairwise loss:   ℓ_ij = s_ij − s_ii, optionally RHO-shifted by a reference model: ℓ̂_ij = ℓ_ij − (s^ref_ij − s^ref_ii)
+- pairwise loss:   ℓ_ij = s_ij − s_ii, optionally RHO-shifted by a reference model:
+                   ℓ̂_ij = ℓ_ij − α(s^ref_ij − s^ref_ii), α = 1 in the paper
 - aggregation:     KL-DRO over the candidates j ≠ i:  F_i = τ_i · log(ε + g_i),  g_i = mean_{j≠i} exp(ℓ̂_ij / τ_i)
 - temperature:     fixed, learned by the loss's own Adam (from a given τ or one chosen from the first batch), the
                    model's learnable logit_scale, per sample, or predicted by a network
@@ -52,6 +53,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     Returns {'contrastive_loss': L} with L = mean_i [τ F_image_i + τ F_text_i] + ρ(τ_image + τ_text), where F uses
     u (so its value is the SogCLR estimate of the objective, exactly the mini-batch objective when γ = 1).
     `rho=None` takes ρ from the global batch B: log((B − 1)/k) with k = `target_negatives` (`rho_for_batch`).
+    With `use_reference`, `reference_weight` α scales the shift: ℓ̂ = ℓ − α ℓ^ref (1: the paper's RHO loss).
 
     `positive_in_denominator` replaces ε by 1/(B−1): the positive pair's own term exp(ℓ_ii/τ) = 1 joins the mean over
     the B − 1 candidates, so τ log(1/(B−1) + g_i) = τ [log(1 + Σ_{j≠i} exp(ℓ̂_ij/τ)) − log(B−1)], CLIP's
@@ -73,6 +75,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             target_negatives: Optional[float] = None,
             state: Optional[MovingAverageState] = None,
             use_reference: bool = False,
+            reference_weight: float = 1.0,
             negative_log_weight=None,
             rank: int = 0,
             world_size: int = 1,
@@ -88,6 +91,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
         if rho is None and target_negatives is None:
             raise ValueError("ρ from the batch (rho=None) needs target_negatives")
+        if not 0 <= reference_weight < math.inf:
+            raise ValueError(f"the reference weight α must be ≥ 0, got {reference_weight}")
         if not 0 <= distill_weight <= 1:
             raise ValueError(f"the distillation weight λ must be in [0, 1], got {distill_weight}")
         self.temperature = temperature
@@ -96,6 +101,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.target_negatives = target_negatives
         self.state = state
         self.use_reference = use_reference
+        self.reference_weight = reference_weight
         self.negative_log_weight = negative_log_weight
         self.rank = rank
         self.world_size = world_size
@@ -160,6 +166,14 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self._window = (index, log_u) if accum_step is not None else None
         return log_u
 
+    def _shift(self, reference):
+        """The reference features of the shift α·ℓ^ref: the image side scaled by α scales every reference similarity,
+        image→text and text→image, positives included, so both aggregations take the shift as they take α = 1."""
+        if self.reference_weight == 1:
+            return reference
+        ref_image, ref_text, all_ref_image, all_ref_text = reference
+        return ref_image * self.reference_weight, ref_text, all_ref_image * self.reference_weight, all_ref_text
+
     def _temperatures(self, logit_scale, index, image_features, text_features, reference, accum_step):
         if accum_step:
             # a later call on the same window: the first call's τ, as constants. τ's gradient depends only on the
@@ -193,8 +207,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                              gather_batch(ref_text, self.world_size, with_grad=False, device=device))
             offset = self.rank * image.shape[0]
             log_eps = -math.log(all_text.shape[0] - 1) if self.positive_in_denominator else self.log_eps
-            tau_image, tau_text = self._temperatures(logit_scale, index, image, text, reference, accum_step)
-            shift = reference if self.use_reference else None
+            shift = self._shift(reference) if self.use_reference else None
+            # a temperature chosen from the reference's margins sees them as the DRO weights do: α-scaled
+            tau_image, tau_text = self._temperatures(logit_scale, index, image, text, shift, accum_step)
             inv_tau_image, inv_tau_text = 1.0 / tau_image, 1.0 / tau_text
             log_g_image, log_g_text = self.aggregate(image, text, all_image, all_text, offset, inv_tau_image,
                                                      inv_tau_text, shift, self.negative_log_weight)
@@ -264,7 +279,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
 
     def reference_margin(self) -> torch.Tensor:
         """Of the last call, with a reference shift: mean over the anchors of both directions and their negatives of
-        s^ref_ii − s^ref_ij, how far the reference model ranks the positive above the negatives."""
+        α(s^ref_ii − s^ref_ij), how far the shift ranks the positive above the negatives (at α = 1, the reference
+        model's own margin)."""
         shift = self._last['pairs'][-1]
         ref_image, ref_text, all_ref_image, all_ref_text = (at_least_float32(x) for x in shift)
         positive = (ref_image * ref_text).sum(1)  # s^ref_ii, the same pair in both directions

@@ -168,7 +168,7 @@ def _dro(o, use_reference, temperature=None, sharding=None, **core_options):
         sharding = _sharding(o)
     return DROContrastiveLoss(
         temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives,
-        state=_state(o, sharding), use_reference=use_reference,
+        state=_state(o, sharding), use_reference=use_reference, reference_weight=getattr(o, 'reference_weight', 1.0),
         rank=o.rank, world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), **core_options)
 
@@ -192,7 +192,8 @@ def clip(o):
     # reference-free baseline with every reference in the paper's Table 2 (its main fixed τ = 0.01, tuned for batches
     # of 5120 and strong references, lost 5.8 points to FastCLIP with a weak one), and that beats τ = 0.01 at batches
     # of 64 to 512 here (README "Temperature", "Evidence"). The paper's ε.
-    defaults=dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, **DISTILL_OPTIONS),
+    defaults=dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, reference_weight=1.0,
+                  **DISTILL_OPTIONS),
     inactive=_global_temperature_and_distill_inactive)
 def drrho(o):
     return _dro(o, use_reference=True)

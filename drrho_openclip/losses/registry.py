@@ -71,6 +71,8 @@ OPTION_HELP = dict(
     tau_eps="eps of the per-sample τ's Adam",
     tempnet_width="hidden width of the temperature network",
     tempnet_prototypes="number of prototypes of the temperature network",
+    reference_weight="α, the weight of the reference model's pairwise loss in the shift ℓ − α·ℓ_ref (1: the paper's "
+                     "RHO loss; 0: no shift, the same DRO without the reference)",
     reference_shift="also shift the pairwise loss by the reference model (the RHO loss; not in the method's paper)",
     adnce_mu="µ, centre of ADNCE's Gaussian weight on negative similarities",
     adnce_sigma="σ, width of ADNCE's Gaussian weight on negative similarities",
