@@ -23,7 +23,35 @@ def load(evidence: Path):
             runs[folder.name] = json.loads(result.read_text())
     if not runs:
         raise SystemExit(f"no replication.json under {evidence}: run the commands in its folders' command.txt first")
+    for report in runs.values():
+        borrow_clip(report, runs)
     return runs
+
+
+def setting(report) -> tuple:
+    """What decides a `clip` run's result besides its seed and fraction: the data, the reference, and every training
+    choice (not the scratch path of the model's config, nor which fractions the run also covered)."""
+    config = {k: v for k, v in report['config'].items() if k not in ('model', 'fractions')}
+    return (report['data']['name'], json.dumps(report['data'].get('sizes'), sort_keys=True),
+            report.get('reference_description'), report['reference_accuracy'], report['reference_mean_recall'],
+            json.dumps(config, sort_keys=True))
+
+
+def borrow_clip(report, runs):
+    """A run of variants without `clip` takes `clip`'s entries and per-seed runs from a run of the same setting (a
+    seed fixes the data order and the initialisation, so the same setting repeats `clip` to the digit), and names it
+    in `clip_from`; unchanged when no such run covers its fractions."""
+    if 'clip' in report['summary']:
+        return
+    fractions = {f for per in report['summary'].values() for f in per}
+    for name, other in runs.items():
+        clip = other['summary'].get('clip', {})
+        if other is not report and fractions <= set(clip) and setting(other) == setting(report):
+            report['summary'] = {'clip': {f: clip[f] for f in sorted(fractions, key=float)}, **report['summary']}
+            report['runs'] = [r for r in other.get('runs', ()) if r['loss'] == 'clip'
+                              and str(r['fraction']) in fractions] + report.get('runs', [])
+            report['clip_from'] = name
+            return
 
 
 def ratio(summary, loss, fraction):
@@ -94,7 +122,9 @@ def markdown(runs) -> str:
                   + (f" ({report['reference_description']})" if 'reference_description' in report else '') +
                   f": zero-shot "
                   f"{100 * report['reference_accuracy']:.1f} %, mean recall {report['reference_mean_recall']:.1f} %; "
-                  f"{report['machine']}.", '']
+                  f"{report['machine']}."
+                  + (f" `clip` from {report['clip_from']} (the same setting and seeds)." if 'clip_from' in report
+                     else ''), '']
         header = '| loss |' + ''.join(f" top-1 {p:g} % | recall {p:g} % | ×clip {p:g} % | Δ recall {p:g} % |"
                                       for p in (100 * float(f) for f in reversed(fractions)))
         lines += [header, '|---|' + '---:|' * 4 * len(fractions)]
@@ -151,7 +181,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     evidence = Path(argv[0]) if argv else EVIDENCE
     runs = load(evidence)
-    out = {name: dict(config=r['config'], reference_accuracy=r['reference_accuracy'],
+    out = {name: dict(config=r['config'], clip_from=r.get('clip_from'), reference_accuracy=r['reference_accuracy'],
                       reference_mean_recall=r['reference_mean_recall'], summary={
                           loss: {f: {k: v for k, v in s.items() if k != 'curve'} for f, s in per.items()}
                           for loss, per in r['summary'].items()},

@@ -441,3 +441,40 @@ def test_pairwise_traffic_counts_matrix_bytes_and_not_views(tmp_path):
     from drrho_openclip.losses import list_losses
     assert set(report['results']) == {'ClipLoss', *list_losses()}
     assert report['results']['ClipLoss']['ratio'] == 1.0 and report['results']['drrho']['total'] > 0
+
+
+def test_evidence_summary_takes_clip_from_a_run_of_the_same_setting(tmp_path):
+    import evidence_summary
+
+    def entry(recall):
+        return dict(seeds=2, accuracy=[0.5, 0.01], mean_recall=[recall, 0.5], curve={})
+
+    def report(summary, runs, reference_accuracy=0.5, model='scratch-a'):
+        return dict(data=dict(name='d', sizes=dict(train=64)), machine='m', reference_accuracy=reference_accuracy,
+                    reference_mean_recall=20.0, config=dict(model=model, batch_size=64, samples_seen=128,
+                                                            fractions=[1.0]), summary=summary, runs=runs)
+
+    def seeds(loss, recalls):
+        return [dict(loss=loss, fraction=1.0, seed=seed, mean_recall=r, accuracy=0.5) for seed, r in enumerate(recalls)]
+    folders = {
+        'a': report({'clip': {'1.0': entry(10.0)}, 'drrho': {'1.0': entry(12.0)}},
+                    seeds('clip', (10.0, 10.0)) + seeds('drrho', (12.0, 12.0))),
+        # the same setting from another scratch folder: takes a's clip
+        'a_variants': report({'drrho --x': {'1.0': entry(15.0)}}, seeds('drrho --x', (14.0, 16.0)), model='scratch-b'),
+        # another reference: nothing to pair with
+        'a_other_reference': report({'drrho --x': {'1.0': entry(15.0)}}, seeds('drrho --x', (14.0, 16.0)),
+                                    reference_accuracy=0.6),
+    }
+    for name, content in folders.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'replication.json').write_text(json.dumps(content))
+    assert evidence_summary.main([str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / 'summary.json').read_text())
+    assert saved['a_variants']['clip_from'] == 'a'
+    assert saved['a_variants']['recall_vs_clip']['drrho --x']['1.0'] == pytest.approx(1.5)
+    assert saved['a_variants']['paired_recall_vs_clip']['drrho --x']['1.0'] == [pytest.approx(5.0), pytest.approx(1.0),
+                                                                                 2, 2]
+    assert saved['a_other_reference']['clip_from'] is None
+    assert saved['a_other_reference']['recall_vs_clip']['drrho --x']['1.0'] is None
+    text = (tmp_path / 'summary.md').read_text()
+    assert text.count('`clip` from a (the same setting and seeds).') == 1
