@@ -10,7 +10,8 @@ reports, before any GPU-day is spent:
 - how peaked DRRho's weights are at a temperature τ and the global batch B. At the start of training the learner's
   similarities carry no information, so the RHO-shifted loss is ℓ̂_ij ≈ m_ij and the KL-DRO weights of an anchor are
   softmax_j(m_ij/τ) over its B − 1 negatives; their effective number exp(entropy) says over how many negatives each
-  anchor's gradient is spread: near 1, one negative per anchor carries the whole update;
+  anchor's gradient is spread: near 1, one negative per anchor carries the whole update (with --reference-weight α,
+  the weights of α·m_ij/τ, as the loss's);
 - a verdict in plain words, the τ this rule suggests for the batch (see `suggest_temperature`), the τ that
   `--temperature auto` starts from on such batches (the same rule, solved exactly), and the logit scale at which the
   reference is a calibrated teacher on such a batch (what `--reference-logit-scale auto` uses for distillation).
@@ -45,6 +46,7 @@ class ReferenceReport:
     margin: Dict[str, float]          # mean, std, quantiles of m_ij, fraction of negative margins
     effective_negatives: Dict[float, float] = field(default_factory=dict)  # τ → median over anchors
     temperature: float = None         # the τ asked about
+    reference_weight: float = 1.0     # α of the shift the weights are computed for
     suggested_temperature: float = None
     auto_temperature: float = None    # where drrho's --temperature auto starts on such batches
     teacher_logit_scale: float = None  # the reference's calibrated logit scale on a batch of batch_size
@@ -104,7 +106,7 @@ def auto_temperature(margins: torch.Tensor, max_anchors: int = 4096) -> float:
 
 
 def check(store_dir, batch_size: int, temperature: float = None, samples: int = 5000, batches: int = 8,
-          seed: int = 0) -> ReferenceReport:
+          seed: int = 0, reference_weight: float = DRRHO_DEFAULTS['reference_weight']) -> ReferenceReport:
     store = FeatureStore.open(store_dir)
     if store.keys_only:
         raise FeatureStoreError(f"'{store.root}' is a keys-only store: it holds no reference features to check")
@@ -116,14 +118,15 @@ def check(store_dir, batch_size: int, temperature: float = None, samples: int = 
     margins = batch_margins(image, text, batch, batches, seed)
     quantiles = torch.quantile(margins.flatten()[:1 << 24].float(), torch.tensor([0.05, 0.5, 0.95])).tolist()
     grid = sorted(set(TEMPERATURES) | ({temperature} if temperature else set()))
-    medians = {tau: effective_negatives(margins, tau).median().item() for tau in grid}
+    shift = reference_weight * margins  # what the loss's weights see at the start of training
+    medians = {tau: effective_negatives(shift, tau).median().item() for tau in grid}
     report = ReferenceReport(
         store=str(store.root), samples=count, batch_size=batch, retrieval=retrieval(image, text),
         margin=dict(mean=margins.mean().item(), std=margins.std().item(), q05=quantiles[0], median=quantiles[1],
                     q95=quantiles[2], negative_fraction=(margins < 0).double().mean().item()),
-        effective_negatives=medians, temperature=temperature,
+        effective_negatives=medians, temperature=temperature, reference_weight=reference_weight,
         suggested_temperature=suggest_temperature(medians),
-        auto_temperature=auto_temperature(margins),
+        auto_temperature=auto_temperature(shift),
         teacher_logit_scale=calibrated_logit_scale(image[:batch], text[:batch]).item())
     report.verdict = verdict(report)
     return report
@@ -165,7 +168,8 @@ def format_report(r: ReferenceReport) -> str:
     out = [f"{r.store}: {r.samples} samples, batch {r.batch_size}",
            "retrieval (%): " + ', '.join(f"{k} {v:.1f}" for k, v in r.retrieval.items()),
            "reference margin s_ii - s_ij: " + ', '.join(f"{k} {v:.3f}" for k, v in r.margin.items()),
-           f"effective negatives per anchor at the start (median, of {r.batch_size - 1}):",
+           f"effective negatives per anchor at the start (median, of {r.batch_size - 1}; reference weight "
+           f"{r.reference_weight:g}):",
            *(f"  tau {tau:<6g} {n:8.1f}{'   <- suggested' if tau == r.suggested_temperature else ''}"
              for tau, n in r.effective_negatives.items()),
            "verdict:", *(f"  {line}" for line in r.verdict)]
@@ -179,6 +183,8 @@ def main(argv=None) -> int:
     p.add_argument('--batch-size', type=int, required=True, help='the global batch size of the planned training')
     p.add_argument('--temperature', type=float, default=None, help='also report this τ')
     p.add_argument('--samples', type=int, default=5000, help='samples to draw from the store (default: %(default)s)')
+    p.add_argument('--reference-weight', type=float, default=DRRHO_DEFAULTS['reference_weight'],
+                   help="drrho's --reference-weight α: the weights are those of α·m/τ (default: %(default)s)")
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', default=None, help='also write the report to this file')
     args = p.parse_args(argv)
@@ -186,8 +192,11 @@ def main(argv=None) -> int:
         p.error('--batch-size must be at least 2')
     if args.temperature is not None and not args.temperature > 0:
         p.error('--temperature must be > 0')
+    if not args.reference_weight > 0:
+        p.error('--reference-weight must be > 0 (at 0 the reference does not steer the weights)')
     try:
-        report = check(args.store, args.batch_size, args.temperature, args.samples, seed=args.seed)
+        report = check(args.store, args.batch_size, args.temperature, args.samples, seed=args.seed,
+                       reference_weight=args.reference_weight)
     except FeatureStoreError as e:
         print(f"PROBLEM: {e}")
         return 1

@@ -90,6 +90,21 @@ def test_larger_batches_get_a_smaller_or_equal_temperature(tmp_path):
     assert large.effective_negatives[0.05] > small.effective_negatives[0.05]
 
 
+def test_reference_weight_scales_the_margins_the_weights_see(tmp_path):
+    """With --reference-weight α the start-of-training weights are softmax(α·m/τ): the effective negatives at τ are
+    those of α = 1 at τ/α, and the margins themselves (the reference's own) do not change."""
+    rng = np.random.default_rng(4)
+    image = unit(rng.standard_normal((600, 16)))
+    store = write_store(tmp_path / 's', image, unit(image + 0.5 * rng.standard_normal((600, 16))))
+    half = check(store, batch_size=64, temperature=0.025, reference_weight=0.5)
+    full = check(store, batch_size=64, temperature=0.05)
+    assert half.margin == full.margin and half.reference_weight == 0.5
+    assert half.effective_negatives[0.025] == pytest.approx(full.effective_negatives[0.05], rel=1e-6)
+    assert half.effective_negatives[0.05] > full.effective_negatives[0.05]  # a softer shift spreads the weights
+    assert half.suggested_temperature <= full.suggested_temperature
+    assert half.auto_temperature == pytest.approx(full.auto_temperature / 2, rel=1e-3)
+
+
 def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
     rng = np.random.default_rng(3)
     image = unit(rng.standard_normal((200, 8)))
