@@ -9,7 +9,7 @@ import torch
 
 from drrho_openclip.losses import (LearnedTemperature, create_loss, effective_negatives, get_loss_spec,
                                    reference_margins, rho_for_batch, temperature_for_effective_negatives)
-from test_losses_reference import F64, batch, inner_mean, shifted_loss
+from test_losses_reference import ALPHA, F64, batch, inner_mean, shifted_loss
 
 
 def call(loss, image, text, ref_image, ref_text):
@@ -40,7 +40,8 @@ def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k):
     call(loss, image, text, ref_image, ref_text)
     tau = loss.metrics()['tau_image_mean']  # the τ the first call used: the one chosen before its step
     assert get_loss_spec('drrho').defaults['tau_min'] < tau < get_loss_spec('drrho').defaults['tau_max']
-    assert median_effective_negatives(ref_image, ref_text, tau) == pytest.approx(k, rel=1e-6)
+    # the weights see the shift α·m: at τ they are those of the margins m at τ/α
+    assert median_effective_negatives(ref_image, ref_text, tau / ALPHA) == pytest.approx(k, rel=1e-6)
 
 
 def test_auto_temperature_stays_within_its_bounds():
@@ -90,8 +91,8 @@ def test_adam_temperature_gradient_is_the_papers(name):
         image, text, ref_image, ref_text = batch(g, n)
         call(loss, image, text, ref_image, ref_text)
         assert loss.metrics()['tau_image_mean'] == pytest.approx(math.exp(log_tau), rel=1e-12)
-        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ())).detach()
-        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ())).detach()
+        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA).detach()
+        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA).detach()
         leaf = torch.tensor(log_tau, **F64, requires_grad=True)
         tau = leaf.exp()
         objective = (tau * torch.log(eps + inner_mean(ell_image, tau))
@@ -147,7 +148,8 @@ def test_global_tau_steps_on_the_chosen_objective(tau_objective):
     call(loss, *second)
 
     def directions(image, text, ref_image, ref_text):
-        return shifted_loss(image, text, ref_image, ref_text), shifted_loss(text, image, ref_text, ref_image)
+        return (shifted_loss(image, text, ref_image, ref_text, alpha=ALPHA),
+                shifted_loss(text, image, ref_text, ref_image, alpha=ALPHA))
 
     def gradient(at_log_tau, now, before=None):
         """∂/∂log τ of the batch objective of `now`; with `before`, of the SogCLR estimate whose u mixes the g of

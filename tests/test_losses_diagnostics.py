@@ -68,7 +68,7 @@ def test_diagnostics_match_their_definitions(case):
     metrics = loss.metrics()
     shifted = loss.use_reference
     sim = image.detach() @ text.detach().T
-    ref_sim = ref_image @ ref_text.T if shifted else None
+    ref_sim = loss.reference_weight * ref_image @ ref_text.T if shifted else None  # the shift's, α-weighted
     want = torch.cat([effective_negatives(sim, ref_sim, tau, log_weight),
                       effective_negatives(sim.T, None if ref_sim is None else ref_sim.T, tau, log_weight)]).mean()
     assert 1 <= metrics['effective_negatives'] <= N - 1

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drrho_openclip.losses import create_loss
+from drrho_openclip.losses import create_loss, get_loss_spec
 
 F64 = dict(dtype=torch.float64)
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 TABLE = dict(rtol=2e-6, atol=1e-7)  # through a float32 table
+ALPHA = get_loss_spec('drrho').defaults['reference_weight']  # drrho's default weight of the reference's shift
 
 
 def unit(g, n, d):
@@ -33,13 +34,13 @@ def off_diagonal(n):
     return ~torch.eye(n, dtype=torch.bool)
 
 
-def shifted_loss(anchors, candidates, ref_anchors=None, ref_candidates=None):
-    """ℓ̂_ij (seed 001, §4): the pairwise loss minus the reference model's."""
+def shifted_loss(anchors, candidates, ref_anchors=None, ref_candidates=None, alpha=1.0):
+    """ℓ̂_ij (seed 001, §4): the pairwise loss minus the reference model's, weighted by α (1 in the paper)."""
     s = anchors @ candidates.T
     ell = s - s.diagonal()[:, None]
     if ref_anchors is not None:
         r = ref_anchors @ ref_candidates.T
-        ell = ell - (r - r.diagonal()[:, None])
+        ell = ell - alpha * (r - r.diagonal()[:, None])
     return ell
 
 
@@ -101,8 +102,8 @@ def test_sogclr_estimator_over_steps(name):
                    output_dict=True)['contrastive_loss']
 
         use_ref = name == 'drrho'
-        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()))
-        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()))
+        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
+        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
         step_gamma = 1.0 if epoch == 0 else gamma
         u1 = moving_average(u_image, index, inner_mean(ell_image, tau).detach(), step_gamma)
         u2 = moving_average(u_text, index, inner_mean(ell_text, tau).detach(), step_gamma)
@@ -138,8 +139,8 @@ def test_learnable_temperature_gradient(name):
 
         tau = 1 / logit_scale.detach()
         use_ref = name == 'drrho'
-        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ())).detach()
-        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ())).detach()
+        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA).detach()
+        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA).detach()
         step_gamma = 1.0 if epoch == 0 else gamma
         u1 = moving_average(u_image, index, inner_mean(ell_image, tau), step_gamma)
         u2 = moving_average(u_text, index, inner_mean(ell_text, tau), step_gamma)
@@ -170,15 +171,16 @@ def test_reference_weight_scales_the_shift(alpha, tile_size):
     out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text)
 
     tau = 1 / logit_scale
-    ell_image = shifted_loss(image, text) - alpha * shifted_loss(ref_image, ref_text)
-    ell_text = shifted_loss(text, image) - alpha * shifted_loss(ref_text, ref_image)
+    ell_image = shifted_loss(image, text, ref_image, ref_text, alpha=alpha)
+    ell_text = shifted_loss(text, image, ref_text, ref_image, alpha=alpha)
     want = (tau * torch.log(eps + inner_mean(ell_image, tau))
             + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
     assert_close(out, want)
     assert_close(grads(out, (image, text, logit_scale)), grads(want, (image, text, logit_scale)))
     paper = create_loss('drrho', gamma=1.0, epsilon=eps, rho=rho, temperature=0.07, temperature_optimizer='model',
-                        tile_size=tile_size)(image, text, logit_scale, ref_image_features=ref_image,
-                                             ref_text_features=ref_text)
+                        tile_size=tile_size, reference_weight=1.0)(image, text, logit_scale,
+                                                                    ref_image_features=ref_image,
+                                                                    ref_text_features=ref_text)
     assert not torch.isclose(out, paper)  # α is not silently dropped
 
 
@@ -297,8 +299,9 @@ def test_dro_distillation(name):
     rho = 8.5 if learn else 0.0
     ref = (ref_image, ref_text) if name == 'drrho' else ()
     ref_t = (ref_text, ref_image) if name == 'drrho' else ()
-    dro = (tau * torch.log(eps + inner_mean(shifted_loss(image, text, *ref), tau))
-           + tau * torch.log(eps + inner_mean(shifted_loss(text, image, *ref_t), tau))).mean() + 2 * tau * rho
+    ell_image, ell_text = shifted_loss(image, text, *ref, alpha=ALPHA), shifted_loss(text, image, *ref_t, alpha=ALPHA)
+    dro = (tau * torch.log(eps + inner_mean(ell_image, tau))
+           + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
     want_c = (1 - lam) * dro
     want_d = lam * tau.detach() * kd_reference(image, text, ref_image, ref_text, 1 / tau, teacher)
     assert_close(out['contrastive_loss'], want_c)

@@ -97,7 +97,7 @@ def test_reference_weight_scales_the_margins_the_weights_see(tmp_path):
     image = unit(rng.standard_normal((600, 16)))
     store = write_store(tmp_path / 's', image, unit(image + 0.5 * rng.standard_normal((600, 16))))
     half = check(store, batch_size=64, temperature=0.025, reference_weight=0.5)
-    full = check(store, batch_size=64, temperature=0.05)
+    full = check(store, batch_size=64, temperature=0.05, reference_weight=1.0)
     assert half.margin == full.margin and half.reference_weight == 0.5
     assert half.effective_negatives[0.025] == pytest.approx(full.effective_negatives[0.05], rel=1e-6)
     assert half.effective_negatives[0.05] > full.effective_negatives[0.05]  # a softer shift spreads the weights
