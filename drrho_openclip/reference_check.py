@@ -8,10 +8,10 @@ reports, before any GPU-day is spent:
 - the spread of the reference margin m_ij = s^ref_ii − s^ref_ij over the negatives of training-sized batches
   (negative margins: pairs the reference ranks above the positive, i.e. noisy or duplicated captions);
 - how peaked DRRho's weights are at a temperature τ and the global batch B. At the start of training the learner's
-  similarities carry no information, so the RHO-shifted loss is ℓ̂_ij ≈ m_ij and the KL-DRO weights of an anchor are
-  softmax_j(m_ij/τ) over its B − 1 negatives; their effective number exp(entropy) says over how many negatives each
-  anchor's gradient is spread: near 1, one negative per anchor carries the whole update (with --reference-weight α,
-  the weights of α·m_ij/τ, as the loss's);
+  similarities carry no information, so the RHO-shifted loss is ℓ̂_ij ≈ α·m_ij (α: drrho's --reference-weight) and
+  the KL-DRO weights of an anchor are softmax_j(α·m_ij/τ) over its B − 1 negatives; their effective number
+  exp(entropy) says over how many negatives each anchor's gradient is spread: near 1, one negative per anchor carries
+  the whole update;
 - a verdict in plain words, the τ this rule suggests for the batch (see `suggest_temperature`), the τ that
   `--temperature auto` starts from on such batches (the same rule, solved exactly), and the logit scale at which the
   reference is a calibrated teacher on such a batch (what `--reference-logit-scale auto` uses for distillation).
@@ -46,7 +46,7 @@ class ReferenceReport:
     margin: Dict[str, float]          # mean, std, quantiles of m_ij, fraction of negative margins
     effective_negatives: Dict[float, float] = field(default_factory=dict)  # τ → median over anchors
     temperature: float = None         # the τ asked about
-    reference_weight: float = 1.0     # α of the shift the weights are computed for
+    reference_weight: float = DRRHO_DEFAULTS['reference_weight']  # α of the shift the weights are computed for
     suggested_temperature: float = None
     auto_temperature: float = None    # where drrho's --temperature auto starts on such batches
     teacher_logit_scale: float = None  # the reference's calibrated logit scale on a batch of batch_size
