@@ -92,9 +92,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         if rho is None and target_negatives is None:
             raise ValueError("ρ from the batch (rho=None) needs target_negatives")
         if not 0 <= reference_weight < math.inf:
-            raise ValueError(f"the reference weight α must be ≥ 0, got {reference_weight}")
+            raise ValueError(f"reference_weight α must be ≥ 0, got {reference_weight}")
         if not 0 <= distill_weight <= 1:
-            raise ValueError(f"the distillation weight λ must be in [0, 1], got {distill_weight}")
+            raise ValueError(f"distill_weight λ must be in [0, 1], got {distill_weight}")
         self.temperature = temperature
         self.log_eps = None if epsilon is None else math.log(epsilon)
         self.rho = rho

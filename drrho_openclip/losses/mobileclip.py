@@ -12,7 +12,7 @@ class MobileClipLoss(ReferenceFeatures, LastCallMetrics, ClipLoss):
     def __init__(self, distill_weight: float, teacher_logit_scale='auto', **clip_options):
         super().__init__(**clip_options)
         if not 0 < distill_weight <= 1:
-            raise ValueError(f"the distillation weight λ must be in (0, 1], got {distill_weight}")
+            raise ValueError(f"distill_weight λ must be in (0, 1], got {distill_weight}")
         self.distill_weight = distill_weight
         self.teacher_logit_scale = TeacherLogitScale(teacher_logit_scale, self.world_size)
         self._last = {}
