@@ -185,8 +185,78 @@ def test_reference_weight_scales_the_shift(alpha, tile_size):
 
 
 def test_reference_weight_must_not_be_negative():
-    with pytest.raises(ValueError, match='α must be ≥ 0'):
+    with pytest.raises(ValueError, match='reference_weight must be ≥ 0'):
         create_loss('drrho', num_samples=4, reference_weight=-0.5)
+    with pytest.raises(ValueError, match="reference_weight must be a number or 'auto'"):
+        create_loss('drrho', num_samples=4, reference_weight='fit')
+
+
+def within_anchor_sum_of_squares(s, r, alpha):
+    """Σ_i Σ_{j≠i} (e_ij − ē_i)² of e = s − α r over each anchor's negatives: the part of the shifted loss that moves
+    its DRO weights (a per-anchor constant does not)."""
+    mask = off_diagonal(len(s))
+    e = (s - alpha * r)[mask].reshape(len(s), -1)
+    return ((e - e.mean(1, keepdim=True)) ** 2).sum()
+
+
+def within_anchor_slope(image, text, ref_image, ref_text):
+    """The least-squares α of the target's similarities on the reference's over every anchor's negatives, centred
+    per anchor, both directions pooled: from the n×n matrices."""
+    mask, n = off_diagonal(len(image)), len(image)
+    cov = var = 0
+    for s, r in ((image @ text.T, ref_image @ ref_text.T), (text @ image.T, ref_text @ ref_image.T)):
+        s, r = s[mask].reshape(n, -1), r[mask].reshape(n, -1)
+        s, r = s - s.mean(1, keepdim=True), r - r.mean(1, keepdim=True)
+        cov, var = cov + (s * r).sum(), var + (r * r).sum()
+    return (cov / var).item()
+
+
+@pytest.mark.parametrize('tile_size', [0, 4])
+def test_fitted_reference_weight_is_the_least_variance_slope(tile_size):
+    """--reference-weight auto: α is the within-anchor slope of s on s^ref (both directions pooled), the α at which
+    the shifted similarities vary least within the anchors; the loss is the fixed-α loss at that α, with no
+    gradient through α (a coefficient, not a learned quantity)."""
+    n, eps, rho = 7, 1e-3, 0.7
+    image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(5), n)
+    alpha = within_anchor_slope(image.detach(), text.detach(), ref_image, ref_text)
+    assert 0.05 < alpha < 5  # the batch's reference features are correlated with the target's
+    both = lambda a: sum(within_anchor_sum_of_squares(s.detach(), r, a) for s, r in (  # noqa: E731
+        (image @ text.T, ref_image @ ref_text.T), (text @ image.T, ref_text @ ref_image.T)))
+    assert both(alpha) < both(alpha - 0.05) and both(alpha) < both(alpha + 0.05)
+
+    options = dict(gamma=1.0, epsilon=eps, rho=rho, temperature=0.07, temperature_optimizer='model',
+                   tile_size=tile_size)
+    loss = create_loss('drrho', reference_weight='auto', **options)
+    logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
+    out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text)
+    assert math.isclose(loss.metrics()['reference_weight'], alpha, rel_tol=1e-9)  # and logged
+    tau = 1 / logit_scale
+    ell_image = shifted_loss(image, text, ref_image, ref_text, alpha=alpha)
+    ell_text = shifted_loss(text, image, ref_text, ref_image, alpha=alpha)
+    want = (tau * torch.log(eps + inner_mean(ell_image, tau))
+            + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
+    assert_close(out, want)
+    assert_close(grads(out, (image, text, logit_scale)), grads(want, (image, text, logit_scale)))
+
+
+def test_fitted_reference_weight_is_zero_for_an_unrelated_target():
+    """A target whose similarities go against the reference's (a negative slope) is not pushed further from it: α
+    is clamped at 0, the same DRO without the shift."""
+    n = 7
+    image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(6), n)
+    assert within_anchor_slope(image.detach(), text.detach(), -ref_image, ref_text) < 0
+    options = dict(gamma=1.0, epsilon=1e-3, temperature=0.05, learn_temperature=False)
+    fitted = create_loss('drrho', reference_weight='auto', **options)
+    out = fitted(image, text, ref_image_features=-ref_image, ref_text_features=ref_text)
+    assert fitted.metrics()['reference_weight'] == 0
+    assert_close(out, create_loss('drrho', reference_weight=0.0, **options)(
+        image, text, ref_image_features=-ref_image, ref_text_features=ref_text))
+
+
+def test_fitted_reference_weight_cannot_choose_the_temperature():
+    """An 'auto' τ is chosen from the first batch's α-scaled margins, where a fitted α is about 0."""
+    with pytest.raises(ValueError, match="give one of them as a number"):
+        create_loss('drrho', num_samples=4, reference_weight='auto', temperature='auto')
 
 
 def test_fastclip_is_a_registration_over_the_core():
