@@ -49,40 +49,46 @@ def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) ->
 
 
 def _within_anchor_moments(anchors, ref_anchors, candidates, ref_candidates, offset, world_size):
-    """(Σ_i cov_i(s, r), Σ_i var_i(r)) over this rank's anchors i, each over its negatives j ≠ i in the global
-    batch: s_ij the target's similarities, r_ij the reference's. From d×d' second moments of the candidates, summed
-    over ranks (each rank's own rows), so that no b×B matrix is formed and the cost is O(b·d·d') per rank."""
+    """[Σ_i cov_i(s, r), Σ_i var_i(s), Σ_i var_i(r)] over this rank's anchors i, each over its negatives j ≠ i in
+    the global batch: s_ij the target's similarities, r_ij the reference's. From d×d' second moments of the
+    candidates, summed over ranks (each rank's own rows), so that no b×B matrix is formed and the cost is
+    O(b·(d + d')²) per rank."""
     rows = slice(offset, offset + anchors.shape[0])
     a, a_ref = anchors.double(), ref_anchors.double()
     mine, mine_ref = candidates[rows].double(), ref_candidates[rows].double()
-    cross = all_reduce(mine.T @ mine_ref, world_size, anchors.device)        # Σ_j c_j c'_jᵀ
-    gram_ref = all_reduce(mine_ref.T @ mine_ref, world_size, anchors.device)  # Σ_j c'_j c'_jᵀ
     s_ii, r_ii = (a * mine).sum(1), (a_ref * mine_ref).sum(1)
-    sum_s = a @ candidates.double().sum(0) - s_ii
-    sum_r = a_ref @ ref_candidates.double().sum(0) - r_ii
-    sum_sr = ((a @ cross) * a_ref).sum(1) - s_ii * r_ii
-    sum_rr = ((a_ref @ gram_ref) * a_ref).sum(1) - r_ii ** 2
     negatives = candidates.shape[0] - 1
-    return (sum_sr - sum_s * sum_r / negatives).sum(), (sum_rr - sum_r ** 2 / negatives).sum()
+
+    def centred_sum(left, right, left_ii, right_ii, left_anchor, right_anchor, left_all, right_all):
+        # Σ_{j≠i} (x_ij − x̄_i)(y_ij − ȳ_i) with x_ij = left_anchor_i · left_j, from Σ_j left_j right_jᵀ
+        moment = all_reduce(left.T @ right, world_size, anchors.device)
+        products = ((left_anchor @ moment) * right_anchor).sum(1) - left_ii * right_ii
+        sum_x, sum_y = left_anchor @ left_all.sum(0) - left_ii, right_anchor @ right_all.sum(0) - right_ii
+        return (products - sum_x * sum_y / negatives).sum()
+
+    all_c, all_c_ref = candidates.double(), ref_candidates.double()
+    return torch.stack([centred_sum(mine, mine_ref, s_ii, r_ii, a, a_ref, all_c, all_c_ref),
+                        centred_sum(mine, mine, s_ii, s_ii, a, a, all_c, all_c),
+                        centred_sum(mine_ref, mine_ref, r_ii, r_ii, a_ref, a_ref, all_c_ref, all_c_ref)])
 
 
 @torch.no_grad()
 def fitted_reference_weight(image, text, all_image, all_text, reference, offset, world_size) -> torch.Tensor:
-    """α = the least-squares slope of the target's similarities s_ij on the reference's r_ij, within every anchor's
-    negatives, pooled over the anchors of both directions and the global batch; 0 where it is negative.
+    """α = 1 − ρ², ρ ≥ 0 the correlation of the target's similarities s_ij with the reference's r_ij within every
+    anchor's negatives, pooled over the anchors of both directions and the global batch (α = 1 where ρ ≤ 0).
 
-    Within an anchor, ℓ̂_ij = (s_ij − s_ii) − α(r_ij − r_ii) varies as s_ij − α r_ij (a per-anchor constant does not
-    change its DRO weights), and this α gives it the least variance: the shift removes the part of the target's
-    ranking of the negatives that the reference's ranking predicts, the control-variate reading of the paper's
-    variance argument (§6.1). It follows the target: 0 while the target's similarities are unrelated to the
-    reference's (a random start), larger as they agree. Detached: a coefficient of the loss, not learned by it.
+    ρ² is the share of the target's ranking of an anchor's negatives that the reference's ranking explains. The
+    shift's use is what the target has not learned yet: while the target ranks the negatives unlike the reference (a
+    random start, or a reference far stronger than the target) α is the paper's 1; as the target comes to rank them
+    as the reference does, the shift would mostly subtract the target's own signal, and α falls. Detached: a
+    coefficient of the loss, not learned by it.
     """
     ref_image, ref_text, all_ref_image, all_ref_text = reference
-    cov_image, var_image = _within_anchor_moments(image, ref_image, all_text, all_ref_text, offset, world_size)
-    cov_text, var_text = _within_anchor_moments(text, ref_text, all_image, all_ref_image, offset, world_size)
-    moments = all_reduce(torch.stack([cov_image + cov_text, var_image + var_text]), world_size, image.device)
-    cov, var = moments.unbind()
-    return torch.where(var > 0, cov / var, 0.0).clamp(min=0).to(elementwise_dtype(ref_image.dtype))
+    moments = (_within_anchor_moments(image, ref_image, all_text, all_ref_text, offset, world_size)
+               + _within_anchor_moments(text, ref_text, all_image, all_ref_image, offset, world_size))
+    cov, var_s, var_r = all_reduce(moments, world_size, image.device).unbind()
+    agreement = torch.where((var_s > 0) & (var_r > 0), cov / (var_s * var_r).sqrt(), 0.0).clamp(0, 1)
+    return (1 - agreement ** 2).to(elementwise_dtype(ref_image.dtype))
 
 
 class DROContrastiveLoss(ReferenceFeatures, nn.Module):
