@@ -605,9 +605,8 @@ NUMBER = r'([-+0-9.eE]+)'
 
 
 def temperature_trajectory(console: str, batch_size: int, steps_per_epoch: int) -> list:
-    """[step, τ, effective negatives or None, fitted α or None] at each step OpenCLIP logged: the DRO losses' τ (the
-    mean, for a per-sample τ), effective negatives and a fitted reference weight from their logged metrics, else
-    1/logit_scale (clip's learned τ)."""
+    """[step, τ, effective negatives or None] at each step OpenCLIP logged: the DRO losses' τ (the mean, for a
+    per-sample τ) and effective negatives from their logged metrics, else 1/logit_scale (clip's learned τ)."""
     trajectory = []
     for line in console.splitlines():
         train = TRAIN_LINE.search(line)
@@ -616,13 +615,10 @@ def temperature_trajectory(console: str, batch_size: int, steps_per_epoch: int) 
             if trajectory and trajectory[-1][0] == step:
                 continue  # the same step again: the console also got it through a second logging handler
             scale = re.search(r'Logit Scale: ' + NUMBER, line)
-            trajectory.append([step, 1.0 / float(scale.group(1)) if scale else None, None, None])
+            trajectory.append([step, 1.0 / float(scale.group(1)) if scale else None, None])
         elif 'Loss metrics:' in line and trajectory:
             tau = re.search(r'tau_image_mean: ' + NUMBER, line)
             negatives = re.search(r'effective_negatives: ' + NUMBER, line)
-            weight = re.search(r'reference_weight: ' + NUMBER, line)
-            if weight:
-                trajectory[-1][3] = float(weight.group(1))
             if tau:
                 trajectory[-1][1] = float(tau.group(1))
             if negatives:
@@ -819,17 +815,14 @@ def summarize(runs, losses, fractions=FRACTIONS):
 
 def summarize_temperature(trajectories) -> dict:
     """τ per logged step (mean over seeds, at the steps every seed logged), and its start and end, mean ± std."""
-    steps = sorted(set.intersection(*({step for step, *_ in t} for t in trajectories)))
-    by_step = [{step: (tau, negatives, weight) for step, tau, negatives, weight in t} for t in trajectories]
+    steps = sorted(set.intersection(*({step for step, _, _ in t} for t in trajectories)))
+    by_step = [{step: (tau, negatives) for step, tau, negatives in t} for t in trajectories]
     taus = np.array([[run[step][0] for step in steps] for run in by_step])
     entry = {'steps': steps, 'mean': taus.mean(0).tolist(), 'start': mean_std(taus[:, 0]),
              'end': mean_std(taus[:, -1])}
     last_negatives = [run[steps[-1]][1] for run in by_step]
     if None not in last_negatives:
         entry['effective_negatives_end'] = mean_std(last_negatives)
-    weights = [[run[step][2] for step in steps] for run in by_step]
-    if all(None not in w for w in weights):  # a fitted α: its mean over the run and its last value
-        entry['reference_weight'] = {'mean': mean_std(np.mean(weights, 1)), 'end': mean_std([w[-1] for w in weights])}
     return entry
 
 
@@ -931,12 +924,6 @@ def markdown(report) -> str:
         for loss, t in temperatures.items():
             negatives = fmt(t['effective_negatives_end'], 1) if 'effective_negatives_end' in t else '–'
             lines.append(f"| {loss} | {fmt(t['start'], 1, 4)} | {fmt(t['end'], 1, 4)} | {negatives} |")
-        fitted = {loss: t['reference_weight'] for loss, t in temperatures.items() if 'reference_weight' in t}
-        if fitted:
-            lines += ['', "The fitted reference weight α (`--reference-weight auto`), its mean over the logged steps "
-                      "and its last value; mean ± std over seeds.", '',
-                      '| loss | α, mean over the run | α at the end |', '|---|---:|---:|']
-            lines += [f"| {loss} | {fmt(w['mean'], 1, 2)} | {fmt(w['end'], 1, 2)} |" for loss, w in fitted.items()]
     if report['not_run']:
         lines += ['', '## Runs that did not complete', ''] + [f"- {k}: {v}" for k, v in report['not_run'].items()]
     return '\n'.join(lines) + '\n'

@@ -23,11 +23,6 @@ SCENARIOS = {
     # τ chosen from the gathered batch's reference margins, learned by the loss's Adam with the all-reduced gradient
     'drrho-auto': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     'drrho-auto-tiled': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
-    # α fitted to the global batch: its moments are all-reduced, so every rank shifts by the same α
-    'drrho-fitted-weight': ('drrho', dict(reference_weight='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05),
-                            (0, 1)),
-    'drrho-fitted-weight-tiled': ('drrho', dict(reference_weight='auto', gamma=0.5, gamma_decay_epochs=1,
-                                                temperature=0.05, learn_temperature=False, tile_size=5), (0, 1)),
     'fastclip': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     'sogclr': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1), (0, 1)),
     'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, learn_temperature=False,

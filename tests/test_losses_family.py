@@ -28,7 +28,6 @@ CASES = {
     'clip+kd': dict(distill_weight=0.5),
     'drrho': dict(gamma=0.5),
     'drrho+kd': dict(gamma=0.5, distill_weight=0.25),
-    'drrho+fitted-weight': dict(gamma=0.5, reference_weight='auto'),
     'sogclr': dict(gamma=0.5),
     'fastclip': dict(),
     'fastclip+kd': dict(distill_weight=0.25),
@@ -185,7 +184,7 @@ def test_tempnet_attaches_to_the_model():
 # gradient accumulation: OpenCLIP calls the loss once per chunk on the whole window, the chunk's features live
 
 
-ACCUM_CASES = ['drrho', 'drrho+kd', 'drrho+fitted-weight', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
+ACCUM_CASES = ['drrho', 'drrho+kd', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
 
 
 @pytest.mark.parametrize('case', ACCUM_CASES)

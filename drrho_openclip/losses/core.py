@@ -24,15 +24,13 @@ import torch
 from torch import nn
 
 from .base import ReferenceFeatures
-from .collectives import all_reduce, gather_batch
+from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
 from .state import MovingAverageState, SampleSharding, per_sample_tables
 from .temperatures import rho_for_batch
 from .tiled import negative_weight_entropy
-
-FITTED = 'auto'  # a reference weight α fitted to every batch (`fitted_reference_weight`)
 
 
 def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) -> torch.Tensor:
@@ -48,48 +46,6 @@ def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) ->
     return ratio * log_eps_g + (log_eps_u - ratio * log_eps_g).detach()
 
 
-def _within_anchor_moments(anchors, ref_anchors, candidates, ref_candidates, offset, world_size):
-    """[Σ_i cov_i(s, r), Σ_i var_i(s), Σ_i var_i(r)] over this rank's anchors i, each over its negatives j ≠ i in
-    the global batch: s_ij the target's similarities, r_ij the reference's. From d×d' second moments of the
-    candidates, summed over ranks (each rank's own rows), so that no b×B matrix is formed and the cost is
-    O(b·(d + d')²) per rank."""
-    rows = slice(offset, offset + anchors.shape[0])
-    a, a_ref = anchors.double(), ref_anchors.double()
-    mine, mine_ref = candidates[rows].double(), ref_candidates[rows].double()
-    s_ii, r_ii = (a * mine).sum(1), (a_ref * mine_ref).sum(1)
-    negatives = candidates.shape[0] - 1
-
-    def centred_sum(left, right, left_ii, right_ii, left_anchor, right_anchor, left_all, right_all):
-        # Σ_{j≠i} (x_ij − x̄_i)(y_ij − ȳ_i) with x_ij = left_anchor_i · left_j, from Σ_j left_j right_jᵀ
-        moment = all_reduce(left.T @ right, world_size, anchors.device)
-        products = ((left_anchor @ moment) * right_anchor).sum(1) - left_ii * right_ii
-        sum_x, sum_y = left_anchor @ left_all.sum(0) - left_ii, right_anchor @ right_all.sum(0) - right_ii
-        return (products - sum_x * sum_y / negatives).sum()
-
-    all_c, all_c_ref = candidates.double(), ref_candidates.double()
-    return torch.stack([centred_sum(mine, mine_ref, s_ii, r_ii, a, a_ref, all_c, all_c_ref),
-                        centred_sum(mine, mine, s_ii, s_ii, a, a, all_c, all_c),
-                        centred_sum(mine_ref, mine_ref, r_ii, r_ii, a_ref, a_ref, all_c_ref, all_c_ref)])
-
-
-@torch.no_grad()
-def fitted_reference_weight(image, text, all_image, all_text, reference, offset, world_size) -> torch.Tensor:
-    """α = 1 − ρ², ρ ≥ 0 the correlation of the target's similarities s_ij with the reference's r_ij within every
-    anchor's negatives, pooled over the anchors of both directions and the global batch (α = 1 where ρ ≤ 0).
-
-    ρ² is the share of the target's ranking of an anchor's negatives that the reference's ranking explains. The
-    shift's use is what the target has not learned yet: while the target ranks the negatives unlike the reference (a
-    random start, or a reference far stronger than the target) α is the paper's 1; as the target comes to rank them
-    as the reference does, the shift would mostly subtract the target's own signal, and α falls. Detached: a
-    coefficient of the loss, not learned by it.
-    """
-    ref_image, ref_text, all_ref_image, all_ref_text = reference
-    moments = (_within_anchor_moments(image, ref_image, all_text, all_ref_text, offset, world_size)
-               + _within_anchor_moments(text, ref_text, all_image, all_ref_image, offset, world_size))
-    cov, var_s, var_r = all_reduce(moments, world_size, image.device).unbind()
-    agreement = torch.where((var_s > 0) & (var_r > 0), cov / (var_s * var_r).sqrt(), 0.0).clamp(0, 1)
-    return (1 - agreement ** 2).to(elementwise_dtype(ref_image.dtype))
-
 
 class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     """Bimodal KL-DRO contrastive loss with an optional reference shift and per-sample state.
@@ -97,8 +53,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     Returns {'contrastive_loss': L} with L = mean_i [τ F_image_i + τ F_text_i] + ρ(τ_image + τ_text), where F uses
     u (so its value is the SogCLR estimate of the objective, exactly the mini-batch objective when γ = 1).
     `rho=None` takes ρ from the global batch B: log((B − 1)/k) with k = `target_negatives` (`rho_for_batch`).
-    With `use_reference`, `reference_weight` α scales the shift: ℓ̂ = ℓ − α ℓ^ref (1: the paper's RHO loss; 'auto':
-    fitted to every batch, `fitted_reference_weight`).
+    With `use_reference`, `reference_weight` α scales the shift: ℓ̂ = ℓ − α ℓ^ref (1: the paper's RHO loss).
 
     `positive_in_denominator` replaces ε by 1/(B−1): the positive pair's own term exp(ℓ_ii/τ) = 1 joins the mean over
     the B − 1 candidates, so τ log(1/(B−1) + g_i) = τ [log(1 + Σ_{j≠i} exp(ℓ̂_ij/τ)) − log(B−1)], CLIP's
@@ -120,7 +75,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             target_negatives: Optional[float] = None,
             state: Optional[MovingAverageState] = None,
             use_reference: bool = False,
-            reference_weight=1.0,
+            reference_weight: float = 1.0,
             negative_log_weight=None,
             rank: int = 0,
             world_size: int = 1,
@@ -136,9 +91,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
         if rho is None and target_negatives is None:
             raise ValueError("ρ from the batch (rho=None) needs target_negatives")
-        if reference_weight != FITTED and not (isinstance(reference_weight, (int, float))
-                                                and 0 <= reference_weight < math.inf):
-            raise ValueError(f"reference_weight α must be a number ≥ 0 or '{FITTED}', got {reference_weight!r}")
+        if not 0 <= reference_weight < math.inf:
+            raise ValueError(f"reference_weight α must be ≥ 0, got {reference_weight}")
         if not 0 <= distill_weight <= 1:
             raise ValueError(f"distill_weight λ must be in [0, 1], got {distill_weight}")
         self.temperature = temperature
@@ -159,7 +113,6 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             self.teacher_logit_scale = TeacherLogitScale(teacher_logit_scale, world_size)
         self._window = None  # (accumulation window's index, its log u) while --accum-freq replays a window
         self._window_tau = None  # the window's temperatures, from its first call
-        self._window_weight = None  # the window's fitted reference weight, from its first call
         self._last = {}
 
     def set_epoch(self, epoch: int):
@@ -213,23 +166,13 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self._window = (index, log_u) if accum_step is not None else None
         return log_u
 
-    def _reference_weight(self, image, text, all_image, all_text, reference, offset, accum_step):
-        if self.reference_weight != FITTED:
-            return self.reference_weight
-        if not accum_step:  # a later call of an accumulation window keeps the first call's α, as it keeps its τ
-            weight = fitted_reference_weight(image, text, all_image, all_text, reference, offset, self.world_size)
-            self._window_weight = weight if accum_step is not None else None
-            return weight
-        return self._window_weight
-
-    @staticmethod
-    def _shift(reference, weight):
+    def _shift(self, reference):
         """The reference features of the shift α·ℓ^ref: the image side scaled by α scales every reference similarity,
         image→text and text→image, positives included, so both aggregations take the shift as they take α = 1."""
-        if isinstance(weight, (int, float)) and weight == 1:
+        if self.reference_weight == 1:
             return reference
         ref_image, ref_text, all_ref_image, all_ref_text = reference
-        return ref_image * weight, ref_text, all_ref_image * weight, all_ref_text
+        return ref_image * self.reference_weight, ref_text, all_ref_image * self.reference_weight, all_ref_text
 
     def _temperatures(self, logit_scale, index, image_features, text_features, reference, accum_step):
         if accum_step:
@@ -264,10 +207,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                              gather_batch(ref_text, self.world_size, with_grad=False, device=device))
             offset = self.rank * image.shape[0]
             log_eps = -math.log(all_text.shape[0] - 1) if self.positive_in_denominator else self.log_eps
-            shift, weight = None, None
-            if self.use_reference:
-                weight = self._reference_weight(image, text, all_image, all_text, reference, offset, accum_step)
-                shift = self._shift(reference, weight)
+            shift = self._shift(reference) if self.use_reference else None
             # a temperature chosen from the reference's margins sees them as the DRO weights do: α-scaled
             tau_image, tau_text = self._temperatures(logit_scale, index, image, text, shift, accum_step)
             inv_tau_image, inv_tau_text = 1.0 / tau_image, 1.0 / tau_text
@@ -298,7 +238,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             self._last = dict(log_g_image=log_g_image.detach(), log_g_text=log_g_text.detach(),
                               log_u_image=log_u_image, log_u_text=log_u_text, log_eps=log_eps, rho=rho,
                               tau_image=tau_image.detach(), tau_text=tau_text.detach(),
-                              pairs=(*detached, offset, shift), reference_weight=weight)
+                              pairs=(*detached, offset, shift))
             if self.distill_weight > 0:
                 if tau_image.dim():
                     raise ValueError("distillation needs a global temperature (its student logit scale is 1/τ)")
@@ -367,8 +307,6 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             out['rho'] = last['rho']
         if self.use_reference:
             out['reference_margin'] = self.reference_margin().item()
-            if self.reference_weight == FITTED:
-                out['reference_weight'] = last['reference_weight'].item()
         if 'distill' in last:
             out['distill'] = last['distill'].item()
             out['teacher_logit_scale'] = last['teacher_logit_scale'].item()

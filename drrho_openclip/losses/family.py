@@ -89,10 +89,6 @@ def _global_temperature(o, use_reference):
     if o.temperature == AUTO and not use_reference:
         raise ValueError(f"temperature '{AUTO}' is chosen from the reference model's margins, which this loss does "
                          f"not shift by: give a number")
-    if o.temperature == AUTO and getattr(o, 'reference_weight', None) == AUTO:
-        raise ValueError(f"temperature '{AUTO}' is chosen from the first batch's reference margins scaled by α, and "
-                         f"an '{AUTO}' reference_weight is about 0 there (a random target agrees with no reference): "
-                         f"give one of them as a number")
     _check_choice(o, 'temperature_optimizer', TEMPERATURE_OPTIMIZERS)
     _check_choice(o, 'tau_objective', TAU_OBJECTIVES)
     if o.temperature_optimizer == 'model':
@@ -104,14 +100,6 @@ def _global_temperature(o, use_reference):
     return LearnedTemperature(None if o.temperature == AUTO else o.temperature, o.tau_min, o.tau_max,
                               None if o.lr_tau == AUTO else o.lr_tau, o.target_negatives, o.world_size,
                               steps_on_batch=o.tau_objective == 'batch')
-
-
-def _reference_weight(o):
-    """α of the shift: drrho's option (the other losses shift by the whole reference loss, or not at all)."""
-    if not hasattr(o, 'reference_weight'):
-        return 1.0
-    _check_auto(o, 'reference_weight', 0)
-    return o.reference_weight
 
 
 def _rho(o):
@@ -180,7 +168,7 @@ def _dro(o, use_reference, temperature=None, sharding=None, **core_options):
         sharding = _sharding(o)
     return DROContrastiveLoss(
         temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives,
-        state=_state(o, sharding), use_reference=use_reference, reference_weight=_reference_weight(o),
+        state=_state(o, sharding), use_reference=use_reference, reference_weight=getattr(o, 'reference_weight', 1.0),
         rank=o.rank, world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), **core_options)
 

@@ -23,17 +23,17 @@ RUN_OPTION_DEFAULTS = dict(
 )
 DISTRIBUTED = ('rank', 'world_size')  # what every loss is given
 
-AUTO = 'auto'  # a value chosen from the training batch (a temperature, a ρ, a reference weight)
+AUTO = 'auto'  # a value chosen from the training batch (a temperature, a ρ)
 
 
 def float_or_auto(text):
-    """A number, or 'auto': how a command line gives the options that can be chosen from the batch."""
+    """A number, or 'auto': how a command line gives `temperature` and `rho`."""
     return AUTO if text == AUTO else float(text)
 
 
 # The parsers of the options that take more than their default's type
 OPTION_TYPES = dict(temperature=float_or_auto, rho=float_or_auto, reference_logit_scale=float_or_auto,
-                    lr_tau=float_or_auto, reference_weight=float_or_auto)
+                    lr_tau=float_or_auto)
 # What learns a learned global τ: the loss's own Adam on log τ, or the model's logit_scale
 TEMPERATURE_OPTIMIZERS = ('loss', 'model')
 # What a global τ learned by the loss's own Adam steps on: the SogCLR estimate with u, or this batch's objective
@@ -72,9 +72,7 @@ OPTION_HELP = dict(
     tempnet_width="hidden width of the temperature network",
     tempnet_prototypes="number of prototypes of the temperature network",
     reference_weight="α, the weight of the reference model's pairwise loss in the shift ℓ − α·ℓ_ref (1: the paper's "
-                     "RHO loss; 0: no shift, the same DRO without the reference; 'auto': fitted to every batch, the "
-                     "slope of the target's similarities on the reference's within each anchor's negatives, which "
-                     "leaves the shifted loss the least variance)",
+                     "RHO loss; 0: no shift, the same DRO without the reference)",
     reference_shift="also shift the pairwise loss by the reference model (the RHO loss; not in the method's paper)",
     adnce_mu="µ, centre of ADNCE's Gaussian weight on negative similarities",
     adnce_sigma="σ, width of ADNCE's Gaussian weight on negative similarities",
