@@ -5,6 +5,9 @@ gives the same data order and initialisation, so a per-seed difference removes t
 table, with each R@k and class@1 below it; top-1 too in summary.json), and the §6.1 variance check.
 
     python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
+
+It also writes FOLDER/defaults.md: the folders named `*_defaults` (each setting's every method in one run at the
+plugin's defaults of the day it ran) side by side, one column per setting, the README's evidence table.
 """
 import json
 import math
@@ -13,6 +16,7 @@ import sys
 from pathlib import Path
 
 EVIDENCE = Path(__file__).resolve().parent / 'results' / 'evidence'
+DEFAULTS_SUFFIX = '_defaults'
 
 
 def load(evidence: Path):
@@ -155,6 +159,50 @@ def markdown(runs) -> str:
     return '\n'.join(lines)
 
 
+def setting_label(report) -> str:
+    config = report['config']
+    reference = 'pretrained reference' if 'pretrained' in (report.get('reference_description') or '') else \
+        'CLIP reference'
+    return f"{report['data']['name']}, batch {config['batch_size']}, {config['samples_seen']} seen, {reference}"
+
+
+def defaults_markdown(runs, suffix=DEFAULTS_SUFFIX) -> str:
+    """One table per fraction: every loss of the `*_defaults` folders against each setting's `clip`, a cell being
+    top-1 / mean recall (mean ± std), ×clip and the paired recall difference Δ ± its standard error (seeds above)."""
+    chosen = {name: report for name, report in runs.items() if name.endswith(suffix)}
+    if not chosen:
+        return ''
+    losses = list(dict.fromkeys(loss for report in chosen.values() for loss in report['summary']))
+    lines = [f"# Today's defaults against `clip`, every method of a setting in one run", '',
+             "Cells: zero-shot top-1 / mean recall (%), mean ± std over seeds; (×clip's mean recall; Δ: the paired "
+             "mean-recall difference from `clip` ± its standard error over the same seeds).", '']
+    fractions = sorted({f for report in chosen.values() for per in report['summary'].values() for f in per},
+                       key=float, reverse=True)
+    for fraction in fractions:
+        columns = {name: report for name, report in chosen.items()
+                   if any(fraction in per for per in report['summary'].values())}
+        lines += [f"## {100 * float(fraction):g} % of the data", '',
+                  '| loss |' + ''.join(f" {name.removesuffix(suffix)} |" for name in columns),
+                  '|---|' + '---:|' * len(columns),
+                  '| reference |' + ''.join(f" {100 * r['reference_accuracy']:.1f} / {r['reference_mean_recall']:.1f} |"
+                                            for r in columns.values())]
+        for loss in losses:
+            row = f"| `{loss}` |"
+            for report in columns.values():
+                entry = report['summary'].get(loss, {}).get(fraction)
+                text = f"{cell(entry, 'accuracy', 100)} / {cell(entry, 'mean_recall', 1)}" if entry else ''
+                r, paired = ratio(report['summary'], loss, fraction), paired_difference(report, loss, fraction)
+                if r is not None and loss != 'clip':
+                    text += f" ({r:.2f}×" + ('' if paired is None else
+                                             f"; Δ {paired[0]:+.1f} ± {paired[1]:.1f}, {paired[2]} of {paired[3]} above")
+                    text += ')'
+                row += f" {text} |"
+            lines.append(row)
+        lines += ['', 'Settings: ' + '; '.join(f"{name.removesuffix(suffix)}: {setting_label(r)}"
+                                               for name, r in columns.items()) + '.', '']
+    return '\n'.join(lines)
+
+
 def plot(runs, path):
     import matplotlib
     matplotlib.use('Agg')
@@ -199,6 +247,9 @@ def main(argv=None):
     text = markdown(runs)
     (evidence / 'summary.md').write_text(text)
     plot(runs, evidence / 'summary.png')
+    defaults = defaults_markdown(runs)
+    if defaults:
+        (evidence / 'defaults.md').write_text(defaults)
     print(text)
     return 0
 

@@ -331,6 +331,29 @@ def test_evidence_summary_relates_every_method_to_clip(tmp_path):
     assert '| drrho | 1.000 / 2.000 | 0.500 / 0.250 |' in text and (tmp_path / 'summary.png').is_file()
 
 
+def test_evidence_summary_sets_the_defaults_folders_side_by_side(tmp_path):
+    import evidence_summary
+
+    def entry(top1, recall):
+        return dict(seeds=2, accuracy=[top1, 0.01], mean_recall=[recall, 0.5], curve={})
+    runs = [dict(loss=loss, fraction=1.0, seed=seed, mean_recall=recall, accuracy=0.5)
+            for loss, recalls in (('clip', (10.0, 12.0)), ('drrho', (13.0, 14.0))) for seed, recall in enumerate(recalls)]
+    for name, data in (('d_batch64_defaults', 'd'), ('e_batch64_defaults', 'e'), ('d_batch64_variants', 'd')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'replication.json').write_text(json.dumps(dict(
+            data=dict(name=data), machine='m', reference_accuracy=0.5, reference_mean_recall=20.0,
+            config=dict(batch_size=64, samples_seen=128), runs=runs,
+            summary={'clip': {'1.0': entry(0.3, 11.0)}, 'drrho': {'1.0': entry(0.4, 13.5)},
+                     **({'sogclr': {'1.0': entry(0.3, 11.0)}} if data == 'e' else {})})))
+    assert evidence_summary.main([str(tmp_path)]) == 0
+    text = (tmp_path / 'defaults.md').read_text()
+    assert '| loss | d_batch64 | e_batch64 |\n' in text and 'variants' not in text
+    # paired differences 3 and 2: mean 2.5, standard error 0.5, above in 2 of 2
+    assert '| `drrho` | 40.0 ± 1.0 / 13.5 ± 0.5 (1.23×; Δ +2.5 ± 0.5, 2 of 2 above) |' in text
+    assert '| `sogclr` |  | 30.0 ± 1.0 / 11.0 ± 0.5 (1.00×) |' in text  # no per-seed sogclr runs: no Δ
+    assert '| `clip` | 30.0 ± 1.0 / 11.0 ± 0.5 | 30.0 ± 1.0 / 11.0 ± 0.5 |' in text
+
+
 class _ColourTowers:
     """Stand-ins for the pretrained towers: an image's 'features' are its mean colour, a caption's a one-hot of its
     colour word; what is tested is the projections' training and evaluation around them."""
