@@ -167,9 +167,12 @@ def setting_label(report) -> str:
 
 
 def defaults_markdown(runs, suffix=DEFAULTS_SUFFIX) -> str:
-    """One table per fraction: every loss of the `*_defaults` folders against each setting's `clip`, a cell being
-    top-1 / mean recall (mean ± std), ×clip and the paired recall difference Δ ± its standard error (seeds above)."""
-    chosen = {name: report for name, report in runs.items() if name.endswith(suffix)}
+    """One table per fraction: every loss of the `*_defaults` folders (by global batch, then samples seen) against each
+    setting's `clip`, a cell being top-1 / mean recall (mean ± std), ×clip and the paired recall difference Δ ± its
+    standard error (seeds above)."""
+    chosen = dict(sorted(((name, report) for name, report in runs.items() if name.endswith(suffix)),
+                         key=lambda item: (item[1]['config']['batch_size'], item[1]['config']['samples_seen'],
+                                           item[0])))
     if not chosen:
         return ''
     losses = list(dict.fromkeys(loss for report in chosen.values() for loss in report['summary']))
