@@ -176,7 +176,7 @@ def defaults_markdown(runs, suffix=DEFAULTS_SUFFIX) -> str:
     if not chosen:
         return ''
     losses = list(dict.fromkeys(loss for report in chosen.values() for loss in report['summary']))
-    lines = [f"# Today's defaults against `clip`, every method of a setting in one run", '',
+    lines = ["# Today's defaults against `clip`, every method of a setting in one run", '',
              "Cells: zero-shot top-1 / mean recall (%), mean ± std over seeds; (×clip's mean recall; Δ: the paired "
              "mean-recall difference from `clip` ± its standard error over the same seeds).", '']
     fractions = sorted({f for report in chosen.values() for per in report['summary'].values() for f in per},
