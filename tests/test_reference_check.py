@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from drrho_openclip.features import FeatureStoreWriter
-from drrho_openclip.reference_check import (MIN_EFFECTIVE_NEGATIVES, batch_margins, check, effective_negatives,
-                                            main, retrieval, suggest_temperature)
+from drrho_openclip.reference_check import (SUGGESTED_TEMPERATURE, TARGET_NEGATIVES, batch_margins, check,
+                                            effective_negatives, main, retrieval)
 
 
 def write_store(root, image, text, dtype='float32'):
@@ -72,22 +72,36 @@ def test_a_faithful_reference_beats_a_random_one(tmp_path):
     for report in (good_report, bad_report):
         medians = [report.effective_negatives[t] for t in sorted(report.effective_negatives)]
         assert medians == sorted(medians) and 1 <= medians[0] and medians[-1] <= 63  # more spread as τ grows
-        assert report.suggested_temperature == suggest_temperature(report.effective_negatives)
+        assert report.suggested_temperature == SUGGESTED_TEMPERATURE in report.effective_negatives
 
 
-def test_suggested_temperature_is_the_smallest_that_spreads_enough():
-    medians = {0.01: 1.5, 0.03: MIN_EFFECTIVE_NEGATIVES - 0.1, 0.07: MIN_EFFECTIVE_NEGATIVES, 0.1: 30.0}
-    assert suggest_temperature(medians) == 0.07
-    assert suggest_temperature({0.01: 1.0, 0.2: 2.0}) == 0.2  # none spreads enough: the largest of the grid
+def test_the_verdict_suggests_the_default_start_and_warns_when_it_is_peaked(tmp_path):
+    """Whatever the margins, the suggestion is drrho's default start (lower starts lost everywhere measured); the
+    verdict says how its weights spread, names the τ an 'auto' start would take, and warns when even the default start
+    leaves the median anchor on fewer than k effective negatives."""
+    rng = np.random.default_rng(5)
+    image = unit(rng.standard_normal((1000, 16)))
+    store = write_store(tmp_path / 's', image, unit(image + 0.05 * rng.standard_normal((1000, 16))))
+    wide = check(store, batch_size=64, reference_weight=1.0)  # a faithful reference at full weight: wide margins
+    soft = check(store, batch_size=64, reference_weight=0.01)
+    assert wide.effective_negatives[SUGGESTED_TEMPERATURE] < TARGET_NEGATIVES < soft.effective_negatives[
+        SUGGESTED_TEMPERATURE]
+    for report in (wide, soft):
+        suggestion, = [line for line in report.verdict if line.startswith('Suggested:')]
+        assert f"τ learned from {SUGGESTED_TEMPERATURE:g}" in suggestion
+        assert f"{report.effective_negatives[SUGGESTED_TEMPERATURE]:.0f} of its 63 negatives" in suggestion
+        assert f"start such a batch at τ = {report.auto_temperature:.3g}" in suggestion
+    assert any(line.startswith('Even at that start') for line in wide.verdict)
+    assert not any(line.startswith('Even at that start') for line in soft.verdict)
 
 
-def test_larger_batches_get_a_smaller_or_equal_temperature(tmp_path):
+def test_larger_batches_spread_the_weights_and_lower_the_auto_temperature(tmp_path):
     rng = np.random.default_rng(2)
     image = unit(rng.standard_normal((2000, 16)))
     store = write_store(tmp_path / 's', image, unit(image + 0.8 * rng.standard_normal((2000, 16))))
     small, large = check(store, batch_size=32), check(store, batch_size=1024)
-    assert large.suggested_temperature <= small.suggested_temperature
     assert large.effective_negatives[0.05] > small.effective_negatives[0.05]
+    assert large.auto_temperature < small.auto_temperature
 
 
 def test_reference_weight_scales_the_margins_the_weights_see(tmp_path):
@@ -101,7 +115,6 @@ def test_reference_weight_scales_the_margins_the_weights_see(tmp_path):
     assert half.margin == full.margin and half.reference_weight == 0.5
     assert half.effective_negatives[0.025] == pytest.approx(full.effective_negatives[0.05], rel=1e-6)
     assert half.effective_negatives[0.05] > full.effective_negatives[0.05]  # a softer shift spreads the weights
-    assert half.suggested_temperature <= full.suggested_temperature
     assert half.auto_temperature == pytest.approx(full.auto_temperature / 2, rel=1e-3)
 
 
@@ -111,7 +124,8 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
     store = write_store(tmp_path / 's', image, unit(image + 0.3 * rng.standard_normal((200, 8))), dtype='float16')
     assert main([str(store), '--batch-size', '64', '--temperature', '0.01', '--json', str(tmp_path / 'r.json')]) == 0
     out = capsys.readouterr().out
-    assert 'retrieval (%)' in out and 'Suggested: --temperature' in out
+    assert 'retrieval (%)' in out and "Suggested: drrho's default, τ learned from 0.07" in out
+    assert 'tau 0.07      ' in out and '<- suggested: the default start' in out
     assert 'At τ = 0.01 and batch 64' in out
     saved = json.loads((tmp_path / 'r.json').read_text())
     assert saved['batch_size'] == 64 and saved['temperature'] == 0.01
