@@ -153,10 +153,11 @@ def verdict(r: ReferenceReport) -> List[str]:
                      f"default at batch 64.")
     if r.batch_size >= FULL_SHIFT_MIN_BATCH and r.reference_weight < 1:
         lines.append(f"At a global batch of {FULL_SHIFT_MIN_BATCH} or more the paper's full shift, "
-                     f"--reference-weight 1, did better than the default with a strong pretrained reference on openclipart (batch 512 and "
-                     f"2048: 1.19-1.27x --loss clip's recall against 1.01-1.21x) and on Fashion-MNIST at 512, worse on "
-                     f"Fashion-MNIST at 2048-8192 (1.20-1.29x against 1.44-1.56x) and with a reference no better than "
-                     f"the target (0.78x): worth a run when this reference is well above what the target will reach.")
+                     f"--reference-weight 1, did better than the default with a strong pretrained reference on "
+                     f"openclipart (batch 512 and 2048: 1.19-1.27x --loss clip's recall against 1.01-1.21x) and on "
+                     f"Fashion-MNIST at 512, worse on Fashion-MNIST at 2048-8192 (1.20-1.29x against 1.44-1.56x) and "
+                     f"with a reference no better than the target (0.78x): worth a run when this reference is well "
+                     f"above what the target will reach.")
     lines.append(f"As a distillation teacher (--distill-weight) it is calibrated at logit scale "
                  f"{r.teacher_logit_scale:.3g} on such a batch, which --reference-logit-scale auto finds on the first "
                  f"batch; a scale far above it would teach the reference's mistakes as certainties.")
