@@ -121,7 +121,7 @@ def micro_costs(csv_info, store_dir, calls, batch_size):
     worker; the per-batch work is timed on batches of `batch_size` shuffled indices and divided by it."""
     import torch
     from torch.utils.data import default_collate
-    from drrho_openclip.data import CollateWithReferenceFeatures
+    from drrho_openclip.openclip.loaders import CollateWithReferenceFeatures
     from drrho_openclip.features import FeatureStore
     dataset = csv_info.dataloader.dataset  # WithSampleExtras around OpenCLIP's CsvDataset
     store = FeatureStore.open(store_dir)
@@ -223,7 +223,7 @@ def main(argv=None):
                                                                 tokenizer)[0]
         configs[(kind, 'with (--loss drrho --ref-features)')] = build_loader(
             data_args + common + ['--loss', 'drrho', '--ref-features', stores[kind]], fns, tokenizer)[0]
-    from drrho_openclip.data import WithSampleExtras
+    from drrho_openclip.openclip.loaders import WithSampleExtras
     with_csv = configs[('csv', 'with (--loss drrho --ref-features)')]
     assert isinstance(with_csv.dataloader.dataset, WithSampleExtras)
     diagnostic = build_loader(inputs['csv'] + common + ['--loss', 'drrho', '--ref-features', stores['csv']],

@@ -1,16 +1,11 @@
-"""Training data: the kind of input, and each batch's extras (`drrho_openclip.openclip.BatchExtras`): each sample's
-dense index and, when a feature store is given, the batch's reference features.
+"""The training data as files: a CSV file or WebDataset shards, as OpenCLIP reads them, named as the feature store
+names its shards. What the store's commands (precompute, import, verify) and the training flags share."""
+import braceexpand
+import pandas as pd
 
-The training loop receives batches `(images, texts, extras)` and passes the extras on to the loss as keywords. Only
-the index travels with each sample; the reference features are looked up once per batch, after collation
-(`CollateWithReferenceFeatures`): one read of each shard the batch touches, one decode and one finiteness check,
-instead of all three per sample.
-"""
-import torch
-from torch.utils.data import Dataset, default_collate
+from .features import shard_name
 
-from .features import FeatureStore, shard_name
-from .openclip import BatchExtras
+IMAGE_EXTENSIONS = ('jpg', 'png', 'jpeg', 'webp')  # those OpenCLIP's WebDataset pipeline reads, in its order
 
 
 def input_kind(train_data, dataset_type: str = 'auto') -> str:
@@ -22,51 +17,55 @@ def input_kind(train_data, dataset_type: str = 'auto') -> str:
     return 'csv' if extension in ('csv', 'tsv') else 'webdataset'
 
 
-class WithSampleExtras(Dataset):
-    """A map-style dataset (OpenCLIP's CSV or synthetic) whose row number is the sample index.
-
-    Its random augmentation is seeded by (seed, epoch, index), so a sample looks the same whichever rank, loader
-    worker or process draws it: a resumed run, or one with another world size, sees exactly the same batches.
-    The epoch is read from the (distributed) sampler, which OpenCLIP sets before every epoch.
-    """
-
-    def __init__(self, dataset, sampler, seed: int):
-        self.dataset = dataset
-        self.sampler = sampler
-        self.seed = seed
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        with torch.random.fork_rng(devices=[]):
-            # the CPU generator only: torch.manual_seed would also queue the seeding of every accelerator, per sample
-            torch.default_generator.manual_seed((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index)
-            image, text = self.dataset[index]
-        return image, text, BatchExtras(index=index)  # a plain int: collation makes the batch's int64 tensor
+def add_data_args(p, required: bool):
+    """The flags that name the training data, as OpenCLIP's own."""
+    p.add_argument('--train-data', required=required,
+                   help="a CSV/TSV file, or WebDataset shards (brace expansion; several sources joined by '::')")
+    p.add_argument('--dataset-type', choices=['auto', 'csv', 'webdataset'], default='auto')
+    p.add_argument('--csv-separator', default='\t')
+    p.add_argument('--csv-img-key', default='filepath')
+    p.add_argument('--csv-caption-key', default='title')
 
 
-class SampleIndexFromKey:
-    """A WebDataset sample's extras: its dense index, looked up by (shard file name, `__key__`) in a store (with
-    features or keys only)."""
-
-    def __init__(self, store: FeatureStore):
-        self.store = store
-
-    def __call__(self, sample: dict) -> BatchExtras:
-        return BatchExtras(index=self.store.index_of(shard_name(sample['__url__']), sample['__key__']))
+def resolve_dataset_type(args):
+    """`args` with --dataset-type auto resolved by `input_kind`."""
+    if args.train_data:
+        args.dataset_type = input_kind(args.train_data, args.dataset_type)
+    return args
 
 
-class CollateWithReferenceFeatures:
-    """Collates `(image, text, {'index': i})` samples as `default_collate` does, then adds the reference features of
-    the batch's index from the store. A DataLoader's `collate_fn` or `wds.batched`'s `collation_fn`: it runs in the
-    loader workers."""
+def sources(args):
+    """[(store shard name, source)] in store order: the CSV file, or every WebDataset shard URL as given."""
+    if args.dataset_type == 'csv':
+        return [(shard_name(args.train_data), args.train_data)]
+    urls = [u for source in args.train_data.split('::') for u in braceexpand.braceexpand(source)]
+    names = [shard_name(u) for u in urls]
+    if len(set(names)) != len(names):
+        raise SystemExit('shard file names must be unique: the store keys shards by file name')
+    return list(zip(names, urls))
 
-    def __init__(self, store: FeatureStore):
-        self.store = store
 
-    def __call__(self, samples):
-        batch = default_collate(samples)
-        extras: BatchExtras = batch[2]
-        extras['ref_image_features'], extras['ref_text_features'] = self.store.batch_features(extras['index'])
-        return batch
+def read_csv(args):
+    df = pd.read_csv(args.train_data, sep=args.csv_separator)
+    for key in (args.csv_img_key, args.csv_caption_key):
+        if key not in df.columns:
+            raise SystemExit(f"{args.train_data}: no column '{key}' (columns: {', '.join(df.columns)})")
+    return df
+
+
+def shard_samples(url, decode=True):
+    """(key, image, caption) of every image-text sample of one tar shard, in file order (raw bytes unless decode)."""
+    import webdataset as wds
+    # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
+    stages = [wds.SimpleShardList([url]), wds.tarfile_to_samples()] + ([wds.decode('pilrgb')] if decode else [])
+    for sample in wds.DataPipeline(*stages):
+        image = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
+        if image is not None and 'txt' in sample:
+            yield sample['__key__'], image, sample['txt']
+
+
+def data_keys(args):
+    """{store shard name: keys of its image-text samples} of --train-data."""
+    if args.dataset_type == 'csv':
+        return {shard_name(args.train_data): [str(k) for k in read_csv(args)[args.csv_img_key]]}
+    return {name: [key for key, _, _ in shard_samples(url, decode=False)] for name, url in sources(args)}

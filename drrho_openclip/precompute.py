@@ -29,19 +29,18 @@ import time
 from pathlib import Path
 from typing import Tuple
 
-import braceexpand
 import numpy as np
 import pandas as pd
 import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import input_kind
+from .data import add_data_args, data_keys, read_csv, resolve_dataset_type, shard_samples, sources
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, shard_files, shard_name)
 from .openclip.reference import create_model
 
-IMAGE_EXTENSIONS = ('jpg', 'png', 'jpeg', 'webp')  # those OpenCLIP's WebDataset pipeline reads, in its order
+
 
 
 def _env_part():
@@ -69,21 +68,6 @@ def part_slice(count: int, part: int, num_parts: int) -> slice:
     return slice(part * count // num_parts, (part + 1) * count // num_parts)
 
 
-def _add_data_args(p, required: bool):
-    p.add_argument('--train-data', required=required,
-                   help="a CSV/TSV file, or WebDataset shards (brace expansion; several sources joined by '::')")
-    p.add_argument('--dataset-type', choices=['auto', 'csv', 'webdataset'], default='auto')
-    p.add_argument('--csv-separator', default='\t')
-    p.add_argument('--csv-img-key', default='filepath')
-    p.add_argument('--csv-caption-key', default='title')
-
-
-def _resolve_dataset_type(args):
-    if args.train_data:
-        args.dataset_type = input_kind(args.train_data, args.dataset_type)
-    return args
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='drrho-openclip-features', description=__doc__.split('\n')[0],
                                 epilog='Check a store: drrho-openclip-features verify DIR [--train-data ...]. Judge '
@@ -92,7 +76,7 @@ def parse_args(argv=None):
                                 allow_abbrev=False)
     p.add_argument('--model', help='OpenCLIP model name or local-dir:PATH')
     p.add_argument('--pretrained', default=None, help='pretrained tag or local checkpoint file')
-    _add_data_args(p, required=False)
+    add_data_args(p, required=False)
     p.add_argument('--output', required=True, help='directory of the feature store to write')
     p.add_argument('--overwrite', action='store_true', help='replace an existing store in --output')
     p.add_argument('--keys-only', action='store_true',
@@ -116,7 +100,7 @@ def parse_args(argv=None):
                         'one, at most 8: %(default)s here)')
     default_device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else 'cpu'
     p.add_argument('--device', default=None, help=f'device of the model (default: {default_device})')
-    args = _resolve_dataset_type(p.parse_args(argv))
+    args = resolve_dataset_type(p.parse_args(argv))
     if args.keys_only:
         unused = [flag for flag, value in (('--model', args.model), ('--pretrained', args.pretrained),
                                            ('--dtype', args.dtype), ('--batch-size', args.batch_size),
@@ -141,25 +125,6 @@ def parse_args(argv=None):
     return args
 
 
-def _sources(args):
-    """[(store shard name, source)] in store order: the CSV file, or every WebDataset shard URL as given."""
-    if args.dataset_type == 'csv':
-        return [(shard_name(args.train_data), args.train_data)]
-    urls = [u for source in args.train_data.split('::') for u in braceexpand.braceexpand(source)]
-    names = [shard_name(u) for u in urls]
-    if len(set(names)) != len(names):
-        raise SystemExit('shard file names must be unique: the store keys shards by file name')
-    return list(zip(names, urls))
-
-
-def _read_csv(args):
-    df = pd.read_csv(args.train_data, sep=args.csv_separator)
-    for key in (args.csv_img_key, args.csv_caption_key):
-        if key not in df.columns:
-            raise SystemExit(f"{args.train_data}: no column '{key}' (columns: {', '.join(df.columns)})")
-    return df
-
-
 class _CsvImages(torch.utils.data.Dataset):
     def __init__(self, paths, captions, transform, tokenizer):
         self.paths, self.captions, self.transform, self.tokenizer = paths, captions, transform, tokenizer
@@ -170,17 +135,6 @@ class _CsvImages(torch.utils.data.Dataset):
     def __getitem__(self, i):
         image = self.transform(Image.open(str(self.paths[i])))
         return image, self.tokenizer([str(self.captions[i])])[0]
-
-
-def _shard_samples(url, decode=True):
-    """(key, image, caption) of every image-text sample of one tar shard, in file order (raw bytes unless decode)."""
-    import webdataset as wds
-    # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
-    stages = [wds.SimpleShardList([url]), wds.tarfile_to_samples()] + ([wds.decode('pilrgb')] if decode else [])
-    for sample in wds.DataPipeline(*stages):
-        image = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
-        if image is not None and 'txt' in sample:
-            yield sample['__key__'], image, sample['txt']
 
 
 class _ShardBatches(torch.utils.data.IterableDataset):
@@ -195,7 +149,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         worker = torch.utils.data.get_worker_info()
         for name, url in self.shards if worker is None else self.shards[worker.id::worker.num_workers]:
             batch = []
-            for sample in _shard_samples(url):
+            for sample in shard_samples(url):
                 batch.append(sample)
                 if len(batch) == self.batch_size:
                     yield self._collate(name, batch)
@@ -218,7 +172,7 @@ class _ShardKeys(torch.utils.data.IterableDataset):
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
         for name, url in self.shards if worker is None else self.shards[worker.id::worker.num_workers]:
-            yield name, [key for key, _, _ in _shard_samples(url, decode=False)]
+            yield name, [key for key, _, _ in shard_samples(url, decode=False)]
 
 
 def _csv_batches(args, df, preprocess, tokenizer):
@@ -266,7 +220,7 @@ def _compute(args, shards, writer):
     tokenizer = open_clip.get_tokenizer(args.model)
     total = None  # samples to encode, where known without reading the data: a CSV's rows (an ETA)
     if args.dataset_type == 'csv':
-        df = _read_csv(args)
+        df = read_csv(args)
         batches, total = _csv_batches(args, df, preprocess, tokenizer), len(df)
     else:
         batches = torch.utils.data.DataLoader(_ShardBatches(shards, preprocess, tokenizer, args.batch_size),
@@ -340,7 +294,7 @@ def main(argv=None):
             return _finalize(FeatureStoreWriter.resume(args.output), explicit=True)
         if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
             raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
-        shards = _sources(args)
+        shards = sources(args)
         names = [name for name, _ in shards]
         if args.keys_only:
             writer = FeatureStoreWriter(args.output, None, None, dtype=None, shards=names)
@@ -370,13 +324,6 @@ def main(argv=None):
 
 
 # ---- verify ------------------------------------------------------------------------------------------------------
-
-def _data_keys(args):
-    """{store shard name: keys of its image-text samples} of --train-data."""
-    if args.dataset_type == 'csv':
-        return {shard_name(args.train_data): [str(k) for k in _read_csv(args)[args.csv_img_key]]}
-    return {name: [key for key, _, _ in _shard_samples(url, decode=False)] for name, url in _sources(args)}
-
 
 def _check_shard(store, shard, data_keys=None):
     """(one-line report, problems) of one shard; every problem names the shard and the file at fault."""
@@ -428,14 +375,14 @@ def verify(argv=None) -> int:
                                             'store), and with --train-data that its keys are exactly the samples of '
                                             'the data.')
     p.add_argument('store', help='the store directory')
-    _add_data_args(p, required=False)
-    args = _resolve_dataset_type(p.parse_args(argv))
+    add_data_args(p, required=False)
+    args = resolve_dataset_type(p.parse_args(argv))
     try:
         store = FeatureStore.open(args.store)
     except FeatureStoreError as e:
         print(f"PROBLEM: {e}")
         return 1
-    data = _data_keys(args) if args.train_data else {}
+    data = data_keys(args) if args.train_data else {}
     if store.keys_only:
         contents = 'keys only (a sample index, no features)'
     else:

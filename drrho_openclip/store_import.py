@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .features import DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows, shard_name
-from .precompute import _add_data_args, _data_keys, _resolve_dataset_type
+from .data import add_data_args, data_keys, resolve_dataset_type
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
 NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)
@@ -203,7 +203,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='drrho-openclip-features import', allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('inputs', nargs='+', help='feature files, or directories of them: one input per data shard')
-    _add_data_args(p, required=True)
+    add_data_args(p, required=True)
     p.add_argument('--output', required=True, help='directory of the feature store to write')
     p.add_argument('--dtype', choices=list(DTYPES), default='float16',
                    help='storage dtype (default: %(default)s; int8: a quarter of float32, plus a scale per vector)')
@@ -211,13 +211,13 @@ def parse_args(argv=None):
     p.add_argument('--model', default='imported', help='what computed the features, shown by verify '
                                                        '(default: %(default)s)')
     p.add_argument('--overwrite', action='store_true', help='replace an existing store in --output')
-    return _resolve_dataset_type(p.parse_args(argv))
+    return resolve_dataset_type(p.parse_args(argv))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        store = import_store(args.inputs, _data_keys(args), args.output, dtype=args.dtype, model=args.model,
+        store = import_store(args.inputs, data_keys(args), args.output, dtype=args.dtype, model=args.model,
                              normalize=args.normalize, overwrite=args.overwrite)
     except FeatureStoreError as e:
         raise SystemExit(f"import: {e}")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from drrho_openclip.data import CollateWithReferenceFeatures
+from drrho_openclip.openclip.loaders import CollateWithReferenceFeatures
 from drrho_openclip.features import FeatureStore, FeatureStoreError, FeatureStoreWriter
 
 SIZES = {'a': 5, 'b': 9, 'c': 4}
