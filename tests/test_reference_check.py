@@ -102,9 +102,15 @@ def test_the_verdict_points_to_the_full_shift_only_below_it(tmp_path):
 
     def mentions_full_shift(report):
         return any("The paper's full shift, --reference-weight 1" in line for line in report.verdict)
-    assert mentions_full_shift(check(store, batch_size=64))
+    report = check(store, batch_size=64)
+    assert mentions_full_shift(report)
     assert mentions_full_shift(check(store, batch_size=512, reference_weight=0.5))
     assert not mentions_full_shift(check(store, batch_size=64, reference_weight=1.0))
+    # the line turns the rule into this reference's number: 0.4 of the mean of its four recalls on these pairs
+    mean_recall = sum(report.retrieval.values()) / 4
+    assert report.mean_recall == pytest.approx(mean_recall) and 10 < mean_recall < 90
+    line = next(line for line in report.verdict if line.startswith("The paper's full shift"))
+    assert f"is {mean_recall:.1f}% on 1200 pairs" in line and f"stay below {0.4 * mean_recall:.1f}%." in line
 
 
 def test_larger_batches_spread_the_weights_and_lower_the_auto_temperature(tmp_path):
