@@ -41,8 +41,6 @@ from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore
 from .openclip.reference import create_model
 
 
-
-
 def _env_part():
     """(part, number of parts) of this process under torchrun or in a SLURM job array, else (0, 1)."""
     env = os.environ
@@ -325,7 +323,7 @@ def main(argv=None):
 
 # ---- verify ------------------------------------------------------------------------------------------------------
 
-def _check_shard(store, shard, data_keys=None):
+def _check_shard(store, shard, expected_keys=None):
     """(one-line report, problems) of one shard; every problem names the shard and the file at fault."""
     name = shard.name
     try:
@@ -356,8 +354,8 @@ def _check_shard(store, shard, data_keys=None):
                             f"features are not unit-norm (first in row {int(np.argwhere(off)[0][0])})")
         values = f"dim {features.shape[-1]}, {store.dtype}, {int((~finite).sum())} non-finite"
     coverage = ''
-    if data_keys is not None:
-        stored, wanted = set(keys), set(data_keys)
+    if expected_keys is not None:
+        stored, wanted = set(keys), set(expected_keys)
         coverage = f", {len(wanted & stored)}/{len(wanted)} data keys present"
         for what, extra in (('samples of the data have no features', wanted - stored),
                             ('keys are not samples of the data', stored - wanted)):
