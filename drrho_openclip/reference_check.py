@@ -38,10 +38,10 @@ TARGET_NEGATIVES = DRRHO_DEFAULTS['target_negatives']
 # The τ suggested, whatever the margins: drrho's default start, learned from there. A rule from the margins (the
 # smallest τ whose median anchor starts on at least TARGET_NEGATIVES effective negatives, as --temperature auto) gives
 # 0.0035-0.022 on the evidence's references at the default α, and every start from 0.0035 to 0.035 lost to
-# --loss clip wherever it was measured (README, "Temperature").
+# --loss clip wherever it was measured (docs/defaults.md, "Temperature").
 SUGGESTED_TEMPERATURE = DRRHO_DEFAULTS['temperature']
-# The full shift (α = 1) beat the default α in all 9 evidence settings where a `clip` target's recall stayed below
-# this fraction of the reference's, and lost in all 14 where it reached it (README, "Reference weight")
+# The full shift (α = 1) beat the default α in all 10 evidence settings where a `clip` target's recall stayed below
+# this fraction of the reference's, and lost in all 14 where it reached it (docs/defaults.md, "When to use the paper's full shift")
 FULL_SHIFT_MAX_TARGET_FRACTION = 0.4
 
 
@@ -156,9 +156,9 @@ def verdict(r: ReferenceReport) -> List[str]:
                      f"default at batch 64.")
     if r.reference_weight < 1:
         fraction = FULL_SHIFT_MAX_TARGET_FRACTION
-        lines.append(f"The paper's full shift, --reference-weight 1, did better than the default 0.25 in all 9 "
+        lines.append(f"The paper's full shift, --reference-weight 1, did better than the default 0.25 in all 10 "
                      f"evidence settings where a --loss clip model's mean recall stayed below {fraction:g} of the "
-                     f"reference's on the same held-out pairs (1.10-2.15x its recall against 0.99-1.85x), and worse "
+                     f"reference's on the same held-out pairs (1.06-2.15x its recall against 0.99-1.85x), and worse "
                      f"in all 14 where it reached that or more (the two nearest {fraction:g} within a spread). Here "
                      f"the reference's mean recall (of its R@1 and R@5 both ways) is {r.mean_recall:.1f}% on "
                      f"{r.samples} pairs: use the full shift when the model you train, trained with --loss clip and "

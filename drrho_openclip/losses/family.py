@@ -28,11 +28,11 @@ DRO_OPTIONS = dict(
     learn_temperature=False,   # learn τ from `temperature`
     temperature_optimizer='loss',  # what learns it: the loss's own Adam on log τ, or the model's logit_scale
     # what that Adam steps on: the paper's SogCLR estimate with u, which keeps lowering τ while the model improves
-    # (at batch 64 it beat the batch objective, u = g, on all three settings measured: README, "Temperature")
+    # (at batch 64 it beat the batch objective, u = g, on all three settings measured: docs/defaults.md, "Temperature")
     tau_objective='estimator',
     # the loss's Adam on log τ, which moves by about lr_tau per step; 'auto': 1/(the run's optimiser steps), so
     # that the estimator's steady push down moves log τ by 1 to 2 over a run of any length (at 0.01 it ran τ from 0.07
-    # to its bound 0.001 in 720 steps at batch 64, below `clip`; README "Temperature")
+    # to its bound 0.001 in 720 steps at batch 64, below `clip`; docs/defaults.md, "Temperature")
     lr_tau=AUTO,
     tau_min=0.001,             # bounds of a learned τ (the paper's τ = 0.01 is for batches of 5120; 32k wants less)
     tau_max=1.0,
@@ -191,11 +191,11 @@ def clip(o):
     # τ learned from 0.07 with ρ (the paper's App. C.3, as FastCLIP-v3), ρ from the batch: the setting that beat the
     # reference-free baseline with every reference in the paper's Table 2 (its main fixed τ = 0.01, tuned for batches
     # of 5120 and strong references, lost 5.8 points to FastCLIP with a weak one), and that beats τ = 0.01 at batches
-    # of 64 to 512 here (README "Temperature", "Evidence"). The paper's ε. A quarter of the paper's shift (α = 1):
+    # of 64 to 512 here (docs/defaults.md, "Temperature"; README, "Benchmarks"). The paper's ε. A quarter of the paper's shift (α = 1):
     # measured at α = 1, 0.5 and 0.25 in eleven settings (batch 64 to 2048, weak to strong references), 0.25 had the
     # best mean recall against `clip` (1.18× on average; below it in one, 0.96×) where 1 was below it in six (down to
     # 0.78× with a reference no better than the target), at zero-shot top-1 still above `clip` by 4 points on average
-    # (README "Reference weight"; two rules fitting α to each batch from the learner's agreement with the reference
+    # (docs/defaults.md, "Reference weight"; two rules fitting α to each batch from the learner's agreement with the reference
     # were measured there too, and lost to this constant)
     defaults=dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, reference_weight=0.25,
                   **DISTILL_OPTIONS),
