@@ -158,7 +158,7 @@ def verdict(r: ReferenceReport) -> List[str]:
         fraction = FULL_SHIFT_MAX_TARGET_FRACTION
         lines.append(f"The paper's full shift, --reference-weight 1, did better than the default 0.25 in all 10 "
                      f"evidence settings where a --loss clip model's mean recall stayed below {fraction:g} of the "
-                     f"reference's on the same held-out pairs (1.06-2.15x its recall against 0.99-1.85x), and worse "
+                     f"reference's on the same held-out pairs (1.08-2.15x its recall against 0.99-1.85x), and worse "
                      f"in all 14 where it reached that or more (the two nearest {fraction:g} within a spread). Here "
                      f"the reference's mean recall (of its R@1 and R@5 both ways) is {r.mean_recall:.1f}% on "
                      f"{r.samples} pairs: use the full shift when the model you train, trained with --loss clip and "
