@@ -191,12 +191,12 @@ def clip(o):
     # τ learned from 0.07 with ρ (the paper's App. C.3, as FastCLIP-v3), ρ from the batch: the setting that beat the
     # reference-free baseline with every reference in the paper's Table 2 (its main fixed τ = 0.01, tuned for batches
     # of 5120 and strong references, lost 5.8 points to FastCLIP with a weak one), and that beats τ = 0.01 at batches
-    # of 64 to 512 here (docs/defaults.md, "Temperature"; README, "Benchmarks"). The paper's ε. A quarter of the paper's shift (α = 1):
-    # measured at α = 1, 0.5 and 0.25 in eleven settings (batch 64 to 2048, weak to strong references), 0.25 had the
-    # best mean recall against `clip` (1.18× on average; below it in one, 0.96×) where 1 was below it in six (down to
-    # 0.78× with a reference no better than the target), at zero-shot top-1 still above `clip` by 4 points on average
-    # (docs/defaults.md, "Reference weight"; two rules fitting α to each batch from the learner's agreement with the reference
-    # were measured there too, and lost to this constant)
+    # of 64 to 512 here (docs/defaults.md, "Temperature"; README, "Benchmarks"). The paper's ε. A quarter of the
+    # paper's shift (α = 1): measured at α = 1, 0.5 and 0.25 in eleven settings (batch 64 to 2048, weak to strong
+    # references), 0.25 had the best mean recall against `clip` (1.18× on average; below it in one, 0.96×) where 1 was
+    # below it in six (down to 0.78× with a reference no better than the target), at zero-shot top-1 still above `clip`
+    # by 4 points on average (docs/defaults.md, "Reference weight"; two rules fitting α to each batch from the
+    # learner's agreement with the reference were measured there too, and lost to this constant)
     defaults=dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, reference_weight=0.25,
                   **DISTILL_OPTIONS),
     inactive=_global_temperature_and_distill_inactive)
