@@ -20,7 +20,7 @@ SAMPLE_INDEX=${SAMPLE_INDEX-}                          # WebDataset, a stateful 
 LOGS=${LOGS:-./logs}
 NAME=${NAME:-$LOSS-$MODEL}                             # fixed: what --resume latest looks up
 TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 256 --epochs 30 --lr 1e-3 --wd 0.1 --warmup 2000 --workers 6 \
-    --precision amp --save-frequency 1 --local-loss --gather-with-grad"}
+    --precision amp --save-frequency 1"}
 NPROC=${NPROC:-gpu}                                    # processes; "gpu": one per visible GPU
 
 cmd=(torchrun --standalone --nproc_per_node="$NPROC"
@@ -30,6 +30,9 @@ cmd=(torchrun --standalone --nproc_per_node="$NPROC"
      --resume latest --save-most-recent)
 [[ -n "$TRAIN_NUM_SAMPLES" ]] && cmd+=(--train-num-samples "$TRAIN_NUM_SAMPLES")
 [[ -n "$REF_FEATURES" ]] && cmd+=(--ref-features "$REF_FEATURES")
+# OpenCLIP's memory-saving options, for the losses that read them: the DRO losses always take the local samples as
+# anchors and the gathered global batch as candidates, and would warn that they ignore these
+case "$LOSS" in clip|jest|jest-topk) cmd+=(--local-loss --gather-with-grad) ;; esac
 [[ -n "$SAMPLE_INDEX" ]] && cmd+=(--sample-index "$SAMPLE_INDEX")
 read -ra extra <<< "$TRAIN_ARGS"
 cmd+=("${extra[@]}" "$@")   # later flags win: arguments of this script override the settings

@@ -10,6 +10,7 @@ import pytest
 from conftest import ENV
 from drrho_openclip import precompute
 from drrho_openclip.features import FeatureStore
+from drrho_openclip.losses.registry import get_loss_spec, list_losses
 from test_precompute_scale import SIZES, write_checkpoint, write_shards
 
 LAUNCH = Path(__file__).resolve().parents[1] / 'launch'
@@ -100,6 +101,16 @@ def test_torchrun_train_is_standalone():
     assert '--save-most-recent' in args
     assert option(args, '--name') == 'run7' and '--logs' in args and '--ref-features' not in args
     assert '--sample-index' not in args  # only when SAMPLE_INDEX is set
+
+
+@pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
+def test_train_scripts_pass_openclips_loss_options_only_to_the_losses_that_read_them(script):
+    # a loss given --local-loss/--gather-with-grad that it does not read warns at start-up: the default LOSS=drrho
+    # must not, and clip must still get OpenCLIP's memory-saving setting
+    for name in list_losses():
+        args = training_args(printed_command(script, LOSS=name, REF_FEATURES=''))
+        reads = {'local_loss', 'gather_with_grad'} <= set(get_loss_spec(name).run_options)
+        assert ('--local-loss' in args and '--gather-with-grad' in args) == reads, name
 
 
 @pytest.mark.parametrize('env, part, parts', [
