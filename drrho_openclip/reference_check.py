@@ -41,7 +41,7 @@ TARGET_NEGATIVES = DRRHO_DEFAULTS['target_negatives']
 # --loss clip wherever it was measured (docs/defaults.md, "Temperature").
 SUGGESTED_TEMPERATURE = DRRHO_DEFAULTS['temperature']
 # The full shift (α = 1) beat the default α in all 10 evidence settings where a `clip` target's recall stayed below
-# this fraction of the reference's, and lost in all 15 where it reached it (docs/defaults.md, "When to use the
+# this fraction of the reference's, and lost in all 16 where it reached it (docs/defaults.md, "When to use the
 # paper's full shift")
 FULL_SHIFT_MAX_TARGET_FRACTION = 0.4
 
@@ -160,7 +160,7 @@ def verdict(r: ReferenceReport) -> List[str]:
         lines.append(f"The paper's full shift, --reference-weight 1, did better than the default 0.25 in all 10 "
                      f"evidence settings where a --loss clip model's mean recall stayed below {fraction:g} of the "
                      f"reference's on the same held-out pairs (1.08-2.15x its recall against 0.99-1.85x), and worse "
-                     f"in all 15 where it reached that or more (near {fraction:g} mostly within a spread). Here "
+                     f"in all 16 where it reached that or more (near {fraction:g} mostly within a spread). Here "
                      f"the reference's mean recall (of its R@1 and R@5 both ways) is {r.mean_recall:.1f}% on "
                      f"{r.samples} pairs: use the full shift when the model you train, trained with --loss clip and "
                      f"evaluated on the same pairs (OpenCLIP's --val-data reports the same four recalls), would stay "
