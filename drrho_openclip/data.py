@@ -64,8 +64,13 @@ def shard_samples(url, decode=True):
             yield sample['__key__'], image, sample['txt']
 
 
+def shard_keys(url):
+    """The keys of one tar shard's image-text samples, in file order (nothing decoded)."""
+    return [key for key, _, _ in shard_samples(url, decode=False)]
+
+
 def data_keys(args):
     """{store shard name: keys of its image-text samples} of --train-data."""
     if args.dataset_type == 'csv':
         return {shard_name(args.train_data): [str(k) for k in read_csv(args)[args.csv_img_key]]}
-    return {name: [key for key, _, _ in shard_samples(url, decode=False)] for name, url in sources(args)}
+    return {name: shard_keys(url) for name, url in sources(args)}

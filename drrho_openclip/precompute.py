@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import add_data_args, data_keys, read_csv, resolve_dataset_type, shard_samples, sources
+from .data import add_data_args, data_keys, read_csv, resolve_dataset_type, shard_keys, shard_samples, sources
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, shard_files, shard_name)
 from .openclip.reference import create_model
@@ -170,7 +170,7 @@ class _ShardKeys(torch.utils.data.IterableDataset):
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
         for name, url in self.shards if worker is None else self.shards[worker.id::worker.num_workers]:
-            yield name, [key for key, _, _ in shard_samples(url, decode=False)]
+            yield name, shard_keys(url)
 
 
 def _csv_batches(args, df, preprocess, tokenizer):

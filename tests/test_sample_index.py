@@ -75,8 +75,8 @@ def test_keys_only_parts_resume_and_verify(shards, index, tmp_path, monkeypatch,
     finished = {f: os.stat(partial / f).st_mtime_ns for f in os.listdir(partial) if f.startswith('part-')}
     assert sorted(finished) == ['part-2.keys.npy', 'part-3.keys.npy']
     read = []
-    shard_samples = precompute.shard_samples
-    monkeypatch.setattr(precompute, 'shard_samples', lambda url, **kw: read.append(url) or shard_samples(url, **kw))
+    shard_keys = precompute.shard_keys
+    monkeypatch.setattr(precompute, 'shard_keys', lambda url: read.append(url) or shard_keys(url))
     assert precompute.main(args) == 0  # one part for all: resumes, reading only the shards not finished
     assert [os.path.basename(url) for url in read] == ['part-0.tar', 'part-1.tar']
     assert {f: os.stat(out / f).st_mtime_ns for f in finished} == finished
