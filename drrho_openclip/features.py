@@ -419,22 +419,26 @@ class FeatureStoreWriter:
 
     def close(self) -> bool:
         """Write the manifest and move the store in place. False (and nothing done) when another process holds the
-        finishing lock: parts that end together must not both swap directories."""
+        finishing lock or has already moved the store: parts that end together must not both swap directories."""
         names = self.plan if self.plan is not None else self.shards
         if not names:
             raise FeatureStoreError(f"'{self.root}': a store needs at least one shard")
+        # the lock comes before the shard check: a part that saw every shard finished may reach here after another
+        # part has moved the store away, and must then step aside rather than report the shards as missing
+        try:
+            os.close(os.open(self.root / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except (FileExistsError, FileNotFoundError):
+            return False
         found = {name: self._finished(name) for name in names}
         missing = [name for name, info in found.items() if info is None]
         if missing:
+            (self.root / LOCK).unlink()
             raise FeatureStoreError(f"'{self.root}': {len(missing)} of {len(names)} shards are not finished, "
                                     f"e.g. '{missing[0]}'")
         dims = sorted({dim for _, dim in found.values()})
         if len(dims) > 1:
+            (self.root / LOCK).unlink()
             raise FeatureStoreError(f"'{self.root}': shards of different dimensions {dims}")
-        try:
-            os.close(os.open(self.root / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
         for tmp in self.root.glob('*.tmp'):  # left by killed writers
             tmp.unlink()
         shards = [dict(name=name, count=found[name][0]) for name in names]

@@ -267,6 +267,9 @@ def _finalize(writer, explicit: bool) -> int:
         logging.info(f"wrote {what} of {store.num_samples} samples ({len(store.shards)} shards, {kind}) to "
                      f"{writer.final}")
         return 0
+    if not writer.root.exists():
+        logging.info(f"another process finished the store in {writer.final}")
+        return 0
     message = (f"'{writer.root / LOCK}' exists: another process is finishing the store (or died doing so: if none "
                f"is running, delete that file and run --finalize)")
     if explicit:

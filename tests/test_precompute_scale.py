@@ -171,6 +171,23 @@ def test_finalize_finishes_a_store_whose_shards_are_all_written(tmp_path, capsys
                                        'manifest.json']
 
 
+def test_parts_that_end_together_finish_the_store_once(tmp_path):
+    # both parts see every shard finished; one moves the store in place first, and the other must step aside
+    # instead of reporting the moved shards as missing (the race two torchrun ranks ran into)
+    out = tmp_path / 'ref'
+    first, second = (FeatureStoreWriter(out, 'm', '', dtype='float16', shards=['a', 'b']) for _ in range(2))
+    unit = np.eye(4)[:2]
+    first.add_shard('a', ['x', 'y'], unit, unit)
+    second.add_shard('b', ['z'], unit[:1], unit[:1])
+    assert first.missing() == second.missing() == []
+    assert second.close()
+    assert not first.close()
+    assert precompute._finalize(first, explicit=False) == 0
+    store = FeatureStore.open(out)
+    assert [(s.name, s.count) for s in store.shards] == [('a', 2), ('b', 1)]
+    assert not (tmp_path / 'ref.partial').exists()
+
+
 def test_verify_reports_every_shard_and_the_coverage(data, capsys):
     assert precompute.main(['verify', data['one'], '--train-data', data['urls']]) == 0
     out = capsys.readouterr().out
