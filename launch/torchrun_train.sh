@@ -20,7 +20,7 @@ SAMPLE_INDEX=${SAMPLE_INDEX-}                          # WebDataset, a stateful 
 LOGS=${LOGS:-./logs}
 NAME=${NAME:-$LOSS-$MODEL}                             # fixed: what --resume latest looks up
 TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 256 --epochs 30 --lr 1e-3 --wd 0.1 --warmup 2000 --workers 6 \
-    --precision amp --save-frequency 1"}
+    --precision amp_bf16 --save-frequency 1"}   # bf16: Ampere and newer; --precision amp on V100
 NPROC=${NPROC:-gpu}                                    # processes; "gpu": one per visible GPU
 
 cmd=(torchrun --standalone --nproc_per_node="$NPROC"
