@@ -317,7 +317,7 @@ def main(argv=None):
         logging.info(f"{where}: encoded {samples} samples of {len(todo)} shards in {seconds:.1f} s "
                      f"({samples / max(seconds, 1e-9):.1f} samples/s)")
     missing = writer.missing()
-    if missing:
+    if missing and writer.root.exists():  # else another part has just finished the store: _finalize says so
         logging.info(f"{where} done; {len(missing)} shards of other parts are not finished yet (the last part to "
                      f"end finishes the store)")
         return 0

@@ -188,6 +188,23 @@ def test_parts_that_end_together_finish_the_store_once(tmp_path):
     assert not (tmp_path / 'ref.partial').exists()
 
 
+def test_a_part_whose_store_another_part_finished_says_so(data, tmp_path, monkeypatch, caplog):
+    out = tmp_path / 'ref'
+    assert precompute.main(data['args'] + ['--output', out, '--num-parts', 2, '--part', 1]) == 0
+    compute = precompute._compute
+
+    def compute_then_the_other_part_finishes(*args):
+        result = compute(*args)
+        assert FeatureStoreWriter.resume(out).close()  # between this part's last shard and its look at the store
+        return result
+
+    monkeypatch.setattr(precompute, '_compute', compute_then_the_other_part_finishes)
+    caplog.set_level('INFO')
+    assert precompute.main(data['args'] + ['--output', out, '--num-parts', 2, '--part', 0]) == 0
+    assert 'another process finished the store' in caplog.text and 'not finished yet' not in caplog.text
+    assert same_store(out, data['one'])
+
+
 def test_verify_reports_every_shard_and_the_coverage(data, capsys):
     assert precompute.main(['verify', data['one'], '--train-data', data['urls']]) == 0
     out = capsys.readouterr().out
