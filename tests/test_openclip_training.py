@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import checkpoint, run_openclip, start_openclip, train_args
+from drrho_openclip.losses.registry import get_loss_spec, list_losses
 
 DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
 
@@ -118,6 +119,18 @@ def test_tiled_core_trains_like_the_untiled_one(shapes, tmp_path):
     run_openclip(train_args(shapes, tmp_path, 'untiled', *loss, batch_size=8, epochs=2))
     run_openclip(train_args(shapes, tmp_path, 'tiled', *loss, '--tile-size', '3', batch_size=8, epochs=2))
     assert_equivalent_runs(checkpoint(tmp_path, 'untiled', 2), checkpoint(tmp_path, 'tiled', 2))
+
+
+@pytest.mark.parametrize('name, extra', [*((name, ()) for name in list_losses()), ('drrho', ('--tile-size', '3'))])
+def test_every_loss_trains_under_bf16_autocast(shapes, tmp_path, name, extra):
+    # --precision amp_bf16, the launch scripts' default: the model hands the loss bf16 features under autocast;
+    # the per-sample state, τ and weights must come out finite after two epochs (epoch 1 reads the state back)
+    ref = ('--ref-features', shapes['ref']) if get_loss_spec(name).reference == 'required' else ()
+    run_openclip(train_args(shapes, tmp_path, 'bf16', '--loss', name, *ref, *extra, '--precision', 'amp_bf16',
+                            epochs=2))
+    saved = checkpoint(tmp_path, 'bf16', 2)
+    tensors = {**saved['state_dict'], **saved.get('loss_state', {})}
+    assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
 
 
 def test_online_reference_model_runs(shapes, tmp_path):
