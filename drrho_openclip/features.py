@@ -429,16 +429,18 @@ class FeatureStoreWriter:
             os.close(os.open(self.root / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except (FileExistsError, FileNotFoundError):
             return False
-        found = {name: self._finished(name) for name in names}
-        missing = [name for name, info in found.items() if info is None]
-        if missing:
-            (self.root / LOCK).unlink()
-            raise FeatureStoreError(f"'{self.root}': {len(missing)} of {len(names)} shards are not finished, "
-                                    f"e.g. '{missing[0]}'")
-        dims = sorted({dim for _, dim in found.values()})
-        if len(dims) > 1:
-            (self.root / LOCK).unlink()
-            raise FeatureStoreError(f"'{self.root}': shards of different dimensions {dims}")
+        try:
+            found = {name: self._finished(name) for name in names}
+            missing = [name for name, info in found.items() if info is None]
+            if missing:
+                raise FeatureStoreError(f"'{self.root}': {len(missing)} of {len(names)} shards are not finished, "
+                                        f"e.g. '{missing[0]}'")
+            dims = sorted({dim for _, dim in found.values()})
+            if len(dims) > 1:
+                raise FeatureStoreError(f"'{self.root}': shards of different dimensions {dims}")
+        except FeatureStoreError:
+            (self.root / LOCK).unlink()  # nothing moved: the next attempt must be able to take the lock
+            raise
         for tmp in self.root.glob('*.tmp'):  # left by killed writers
             tmp.unlink()
         shards = [dict(name=name, count=found[name][0]) for name in names]
