@@ -6,6 +6,7 @@
     python benchmarks/replication.py --data openclipart --reference pretrained   # a pretrained reference
     python benchmarks/replication.py --train-data my/train.csv --ref-data my/ref.csv --test-data my/test.csv \
         --classes my/classes.json [--csv-img-key filepath --csv-caption-key title --csv-label-key label]
+    python benchmarks/replication.py --device cuda --batch-size 16384 ...   # on one GPU: bf16, a few runs at once
 
 What is run, all through OpenCLIP's own training (`open_clip_train.main` with the plugin):
 
@@ -461,7 +462,7 @@ class Dataset:
 _CACHE = {}
 
 
-def _worker_init(log_file):
+def _worker_init(log_file, threads):
     from drrho_openclip.openclip import install_import_hook
     install_import_hook()  # before anything imports open_clip
     import torch
@@ -474,7 +475,7 @@ def _worker_init(log_file):
             super().__init__(params, **{'fused': True, **kwargs})
 
     torch.optim.AdamW = FusedAdamW
-    torch.set_num_threads(1)  # one process per core
+    torch.set_num_threads(threads)  # on a CPU, one process per core
     log = open(log_file, 'a')  # whatever the libraries print outside a run's own console file
     os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
 
@@ -725,8 +726,17 @@ def parse_args(argv=None):
                    default=[Fraction(f).limit_denominator() for f in FRACTIONS],
                    help='fractions of the target split, 1 among them: 0.5 0.75 1 or 1/3 2/3 1 (default: 0.5 0.75 1)')
     p.add_argument('--batch-size', type=int)
+    p.add_argument('--ref-batch-size', type=int, help="the reference model's global batch with --reference clip "
+                                                      "(default: --batch-size; smaller for a reference split smaller "
+                                                      "than a large --batch-size)")
     p.add_argument('--test-samples', type=int, help='test images evaluated, from the start (default: per mode)')
-    p.add_argument('--jobs', type=int, default=os.cpu_count(), help='worker processes (default: one per core)')
+    p.add_argument('--device', choices=['cpu', 'cuda'], default='cpu',
+                   help="where the models train and the reference's features are precomputed; evaluation stays on "
+                        "the CPU (default: %(default)s)")
+    p.add_argument('--precision', help="OpenCLIP's --precision of the training runs (default: fp32 on the CPU, "
+                                       "amp_bf16 on a GPU)")
+    p.add_argument('--jobs', type=int, help='runs at once, each in its own process (default: one per core on the CPU, '
+                                            '3 on a GPU)')
     p.add_argument('--workdir', default=str(HERE / 'results' / 'tmp' / 'replication'))
     p.add_argument('--output', default=str(RESULTS))
     args = p.parse_args(argv)
@@ -737,11 +747,16 @@ def parse_args(argv=None):
     args.seeds = args.seeds or list(preset['seeds'])
     args.epochs = args.epochs or preset['epochs']
     args.batch_size = args.batch_size or preset['batch_size']
+    args.ref_batch_size = args.ref_batch_size or args.batch_size
     args.train_samples = args.train_samples or preset['train']
     args.test_samples = args.test_samples or preset['test']
     args.ref_samples = args.ref_samples if args.ref_samples != 0 else preset['ref']
     args.ref_epochs = args.ref_epochs or preset['ref_epochs']
     args.preset = preset
+    args.precision = args.precision or ('fp32' if args.device == 'cpu' else 'amp_bf16')
+    args.jobs = args.jobs or (os.cpu_count() if args.device == 'cpu' else 3)
+    # on a GPU the CPU's cores decode the images and evaluate the checkpoints, shared by the runs
+    args.threads = 1 if args.device == 'cpu' else max(1, os.cpu_count() // args.jobs)
     args.fractions = sorted(set(args.fractions))
     if not 0 < args.fractions[0] or args.fractions[-1] != 1:
         p.error('--fractions must lie in (0, 1] and include 1 (100%: the epochs, the variance check)')
@@ -763,16 +778,18 @@ def reads_reference(reference: str, flags) -> bool:
     return '--reference-shift' in flags or any(weight > 0 for weight in distill)
 
 
-def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=()):
+def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=(), batch_size=None):
     from drrho_openclip.demo import train_args
     # in-process runs: no loader worker processes, and a log line per epoch rather than per step
-    return train_args(model, data.openclip_args(num_samples), logs, name, epochs=epochs, batch_size=args.batch_size,
-                      lr=args.preset['lr'], seed=seed, warmup=5, workers=0, log_every_n_steps=1000, extra=extra)
+    return train_args(model, data.openclip_args(num_samples), logs, name, epochs=epochs,
+                      batch_size=batch_size or args.batch_size,
+                      lr=args.preset['lr'], seed=seed, warmup=5, workers=0, log_every_n_steps=1000,
+                      device=args.device, precision=args.precision, extra=extra)
 
 
 def precompute(model, checkpoint, data: Dataset, output: Path, args):
     cmd = [sys.executable, '-m', 'drrho_openclip.precompute', '--model', model, '--pretrained', str(checkpoint),
-           '--train-data', data.spec, '--output', str(output), '--workers', '0', '--device', 'cpu',
+           '--train-data', data.spec, '--output', str(output), '--workers', '0', '--device', args.device,
            '--dataset-type', 'csv' if data.is_csv else 'webdataset']
     if data.is_csv:
         cmd += ['--csv-separator', args.csv_separator, '--csv-img-key', args.csv_img_key,
@@ -1029,11 +1046,12 @@ def clip_reference(args, pool, common, model, ref_data, subsets, train_full, wor
     precompute its features. Returns (its evaluation, {fraction: store}, its checkpoint for the variance check)."""
     print(f"[1/3] reference model: --loss clip on {len(ref_data)} pairs, {args.ref_epochs} epochs", flush=True)
     fractions = list(subsets)
+    batch = args.ref_batch_size
     ref = pool.submit(run_task, dict(common, name='reference', loss='clip', fraction=None, seed=0,
-                                     epochs=args.ref_epochs, samples_per_epoch=len(ref_data) // args.batch_size
-                                     * args.batch_size, keep_checkpoints=True,
+                                     epochs=args.ref_epochs, samples_per_epoch=len(ref_data) // batch * batch,
+                                     batch_size=batch, keep_checkpoints=True,
                                      argv=train_argv(model, ref_data, len(ref_data), logs, 'reference',
-                                                     args.ref_epochs, args, 0))).result()
+                                                     args.ref_epochs, args, 0, batch_size=batch))).result()
     if 'error' in ref:
         raise SystemExit(f"the reference model failed to train: {ref['error']} (see {logs}/reference.console.txt)")
     ref_checkpoint = logs / 'reference' / 'checkpoints' / f"epoch_{args.ref_epochs}.pt"
@@ -1140,7 +1158,8 @@ def main(argv=None):
                   test_samples=args.test_samples, batch_size=args.batch_size)
     logs.mkdir(parents=True)
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context('spawn'),
-                                                  initializer=_worker_init, initargs=(str(logs / 'workers.txt'),))
+                                                  initializer=_worker_init,
+                                                  initargs=(str(logs / 'workers.txt'), args.threads))
 
     if args.reference == 'pretrained':
         ref, stores, reference = pretrained_reference(args, ref_data, data['test'], classes, subsets, work)
@@ -1149,7 +1168,8 @@ def main(argv=None):
                                   f"pairs, {args.ref_epochs} epochs (benchmarks/pretrained_reference.py)")
     else:
         ref, stores, reference = clip_reference(args, pool, common, model, ref_data, subsets, train_full, work, logs)
-        reference_description = f"`--loss clip` on {len(ref_data)} disjoint pairs, {args.ref_epochs} epochs"
+        reference_description = (f"`--loss clip` on {len(ref_data)} disjoint pairs, {args.ref_epochs} epochs" +
+                                 (f" at batch {args.ref_batch_size}" if args.ref_batch_size != args.batch_size else ''))
 
     samples_seen = args.epochs * size
     tasks, reference_use = [], {}
@@ -1197,13 +1217,16 @@ def main(argv=None):
                   **{k: data[k] for k in ('sizes', 'class_counts') if k in data}),
         config=dict(model=model, model_description=model_description, train_samples=size,
                     ref_samples=len(ref_data), test_samples=args.test_samples, num_classes=len(classes['classnames']),
-                    batch_size=args.batch_size, epochs_at_100=args.epochs, ref_epochs=args.ref_epochs,
+                    batch_size=args.batch_size, ref_batch_size=args.ref_batch_size, epochs_at_100=args.epochs,
+                    ref_epochs=args.ref_epochs,
                     lr=preset['lr'], samples_seen=samples_seen, seeds=args.seeds, fractions=fractions,
                     variance_samples=size, variance_temperature=VARIANCE_TEMPERATURE, quick=args.quick),
         # the CPU's kernel family is recorded because it changes float rounding, and so a run's last digits
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.backends.cpu.get_cpu_capability()} kernels, "
                 f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end, "
-                f"torch threads 1 per worker x {args.jobs} workers",
+                f"torch threads {args.threads} per worker x {args.jobs} workers" +
+                (f", trained on {torch.cuda.get_device_name()} with --precision {args.precision}"
+                 if args.device == 'cuda' else ''),
         reference_description=reference_description, reference_accuracy=ref['accuracy'],
         reference_curve=ref['curve'], reference_test_images=ref['test_images'],
         reference_test_majority=ref['test_majority'], reference_use=reference_use,

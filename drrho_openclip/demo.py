@@ -123,10 +123,11 @@ def csv_data_args(csv, separator='\t', img_key='filepath', caption_key='title'):
 
 
 def train_args(model, data_args, logs, name, *, epochs, batch_size, lr, seed=0, warmup=10, workers=1,
-               log_every_n_steps=1, extra=()):
-    """open_clip_train.main's arguments for a CPU run that saves a checkpoint after every epoch (to score it)."""
+               log_every_n_steps=1, device='cpu', precision='fp32', extra=()):
+    """open_clip_train.main's arguments for a run (on the CPU unless `device` says otherwise) that saves a checkpoint
+    after every epoch (to score it)."""
     return [*data_args, '--model', model, '--batch-size', batch_size, '--epochs', epochs, '--lr', lr, '--wd', '0.1',
-            '--warmup', warmup, '--workers', workers, '--precision', 'fp32', '--device', 'cpu', '--seed', seed,
+            '--warmup', warmup, '--workers', workers, '--precision', precision, '--device', device, '--seed', seed,
             '--logs', logs, '--name', name, '--save-frequency', '1', '--log-every-n-steps', log_every_n_steps, *extra]
 
 

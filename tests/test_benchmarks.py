@@ -228,6 +228,24 @@ def test_replication_fractions_keep_the_samples_seen_whole(fractions, epochs, ok
     assert all((epochs / f).denominator == 1 for f in args.fractions) and args.fractions[-1] == 1
 
 
+@pytest.mark.parametrize('device, precision', [('cpu', 'fp32'), ('cuda', 'amp_bf16')])
+def test_replication_trains_on_the_device_asked_for(device, precision, monkeypatch):
+    monkeypatch.setattr(replication.os, 'cpu_count', lambda: 16)
+    args = replication.parse_args(['--quick', '--device', device])
+    data = SimpleNamespace(openclip_args=lambda n: ['--train-data', 'train.csv', '--train-num-samples', n])
+    argv = replication.train_argv('tiny', data, 64, 'logs', 'run', 3, args, 0, ['--loss', 'drrho'])
+    after = lambda flag: argv[argv.index(flag) + 1]
+    assert (after('--device'), after('--precision')) == (device, precision)
+    # one single-threaded process per core on a CPU; on a GPU the cores are shared by the runs' loaders
+    assert (args.jobs, args.threads) == ((16, 1) if device == 'cpu' else (3, 16 // 3))
+    assert replication.parse_args(['--quick', '--device', device, '--precision', 'amp']).precision == 'amp'
+
+
+def test_replication_reference_batch_defaults_to_the_targets():
+    assert replication.parse_args(['--quick', '--batch-size', '48']).ref_batch_size == 48
+    assert replication.parse_args(['--quick', '--batch-size', '48', '--ref-batch-size', '16']).ref_batch_size == 16
+
+
 def test_replication_tables_have_a_column_group_per_fraction():
     runs = [dict(name=f'clip-{f}-s{s}', loss='clip', fraction=f, seed=s, accuracy=0.2 + s / 100,
                  curve=[(10, 0.1), (20, 0.2 + s / 100)], mean_recall=5.0 + s,
