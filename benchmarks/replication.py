@@ -747,6 +747,9 @@ def parse_args(argv=None):
     args.seeds = args.seeds or list(preset['seeds'])
     args.epochs = args.epochs or preset['epochs']
     args.batch_size = args.batch_size or preset['batch_size']
+    if args.ref_batch_size and args.reference == 'pretrained':
+        p.error(f'--ref-batch-size trains a --reference clip; the pretrained projections train at batch '
+                f'{PRETRAINED_REFERENCE_BATCH}')
     args.ref_batch_size = args.ref_batch_size or args.batch_size
     args.train_samples = args.train_samples or preset['train']
     args.test_samples = args.test_samples or preset['test']

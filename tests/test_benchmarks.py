@@ -244,6 +244,8 @@ def test_replication_trains_on_the_device_asked_for(device, precision, monkeypat
 def test_replication_reference_batch_defaults_to_the_targets():
     assert replication.parse_args(['--quick', '--batch-size', '48']).ref_batch_size == 48
     assert replication.parse_args(['--quick', '--batch-size', '48', '--ref-batch-size', '16']).ref_batch_size == 16
+    with pytest.raises(SystemExit):  # the pretrained reference's projections have their own batch
+        replication.parse_args(['--quick', '--reference', 'pretrained', '--ref-batch-size', '16'])
 
 
 def test_replication_tables_have_a_column_group_per_fraction():
