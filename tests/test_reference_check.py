@@ -113,6 +113,28 @@ def test_the_verdict_points_to_the_full_shift_only_below_it(tmp_path):
     assert f"is {mean_recall:.1f}% on 1200 pairs" in line and f"stay below {0.4 * mean_recall:.1f}%." in line
 
 
+def test_a_clip_recall_turns_the_rule_into_a_reference_weight(tmp_path, capsys):
+    rng = np.random.default_rng(6)
+    image = unit(rng.standard_normal((300, 16)))
+    store = write_store(tmp_path / 's', image, unit(image + 0.3 * rng.standard_normal((300, 16))))
+    reference = check(store, batch_size=64).mean_recall
+
+    def advice(clip_recall, **kwargs):
+        report = check(store, batch_size=64, clip_recall=clip_recall, **kwargs)
+        return next(line for line in report.verdict if line.startswith("The paper's full shift"))
+    far_below = advice(0.2 * reference)
+    assert "is 0.20 of it: train with --reference-weight 1." in far_below and 'stay below' not in far_below
+    assert "is 0.60 of it: keep drrho's default --reference-weight 0.25." in advice(0.6 * reference)
+    assert 'mostly within a spread).' in advice(0.42 * reference)
+    # asked about the full shift itself, the check still says which weight the rule picks
+    assert "keep drrho's default" in advice(0.6 * reference, reference_weight=1.0)
+    # recall depends on the number of candidates: a sample of the store cannot be held against it
+    with pytest.raises(SystemExit):
+        main([str(store), '--batch-size', '64', '--samples', '100', '--clip-recall', '5'])
+    assert '--samples 300' in capsys.readouterr().err
+    assert main([str(store), '--batch-size', '64', '--clip-recall', '5']) == 0
+
+
 def test_larger_batches_spread_the_weights_and_lower_the_auto_temperature(tmp_path):
     rng = np.random.default_rng(2)
     image = unit(rng.standard_normal((2000, 16)))
