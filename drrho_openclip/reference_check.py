@@ -213,9 +213,10 @@ def main(argv=None) -> int:
     p.add_argument('--reference-weight', type=float, default=DRRHO_DEFAULTS['reference_weight'],
                    help="drrho's --reference-weight α: the weights are those of α·m/τ (default: %(default)s)")
     p.add_argument('--clip-recall', type=float, default=None,
-                   help="a --loss clip model's mean recall (%%: the mean of image→text and text→image R@1 and R@5) on "
-                        "the pairs of this store, e.g. from OpenCLIP's --val-data metrics: the verdict then says "
-                        "which --reference-weight to train with")
+                   help="a --loss clip model's mean recall on the pairs of this store, in %%: 100 × the mean of "
+                        "image_to_text_R@1, image_to_text_R@5, text_to_image_R@1 and text_to_image_R@5, which "
+                        "OpenCLIP's --val-data logs as fractions; the verdict then says which --reference-weight to "
+                        "train with")
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', default=None, help='also write the report to this file')
     args = p.parse_args(argv)
