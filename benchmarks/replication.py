@@ -1,4 +1,4 @@
-"""Mini replication of the DRRho-CLIP paper's data-efficiency experiment (seed 001, §6.1) on real images, CPU, offline.
+"""Mini replication of the DRRho-CLIP paper's data-efficiency experiment (seed 001, §6.1) on real images, offline.
 
     python benchmarks/replication.py --quick   # Fashion-MNIST, all losses, 3 seeds: about 4 min on 2 cores
     python benchmarks/replication.py           # 8x the training per run: 42 CPU-minutes (~25 min on 2 idle cores)
