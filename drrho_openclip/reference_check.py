@@ -46,6 +46,8 @@ SUGGESTED_TEMPERATURE = DRRHO_DEFAULTS['temperature']
 # this fraction of the reference's, and lost in all 16 where it reached it (docs/defaults.md, "When to use the
 # paper's full shift")
 FULL_SHIFT_MAX_TARGET_FRACTION = 0.4
+# ... and the settings within this distance of it (0.39 to 0.45) were mostly within a spread either way
+FULL_SHIFT_TIE_BAND = 0.05
 
 
 @dataclass
@@ -180,7 +182,7 @@ def verdict(r: ReferenceReport) -> List[str]:
                       f"keep drrho's default --reference-weight {DRRHO_DEFAULTS['reference_weight']:g}")
             lines.append(f"{rule}, and the --loss clip model's {r.clip_recall:.1f}% is {ratio:.2f} of it: {advice}"
                          + (" (near the bound the two were mostly within a spread)."
-                            if abs(ratio - fraction) < 0.05 else "."))
+                            if abs(ratio - fraction) < FULL_SHIFT_TIE_BAND else "."))
     lines.append(f"As a distillation teacher (--distill-weight) it is calibrated at logit scale "
                  f"{r.teacher_logit_scale:.3g} on such a batch, which --reference-logit-scale auto finds on the first "
                  f"batch; a scale far above it would teach the reference's mistakes as certainties. In the evidence, "
