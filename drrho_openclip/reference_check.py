@@ -104,6 +104,10 @@ def auto_temperature(margins: torch.Tensor, max_anchors: int = 4096) -> float:
                                                DRRHO_DEFAULTS['tau_max']).item()
 
 
+class FlagConflict(ValueError):
+    """Flags that cannot be honoured together for this store: main() reports it as a usage error."""
+
+
 def check(store_dir, batch_size: int, temperature: float = None, samples: int = 5000, batches: int = 8,
           seed: int = 0, reference_weight: float = DRRHO_DEFAULTS['reference_weight'],
           clip_recall: float = None) -> ReferenceReport:
@@ -115,7 +119,7 @@ def check(store_dir, batch_size: int, temperature: float = None, samples: int = 
         raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples: at least 2 are needed")
     if clip_recall is not None and count < store.num_samples:
         # recall falls as the candidates grow: the two recalls compare only over the same pairs
-        raise ValueError(f"--clip-recall is compared with the reference's recall over the same pairs, and "
+        raise FlagConflict(f"--clip-recall is compared with the reference's recall over the same pairs, and "
                          f"'{store.root}' holds {store.num_samples}: give --samples {store.num_samples} (or more)")
     image, text = _sample(store, count, seed)
     recalls = retrieval(image, text)
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
     except FeatureStoreError as e:
         print(f"PROBLEM: {e}")
         return 1
-    except ValueError as e:
+    except FlagConflict as e:
         p.error(str(e))
     print(format_report(report))
     if args.json:
