@@ -120,7 +120,7 @@ def check(store_dir, batch_size: int, temperature: float = None, samples: int = 
     if clip_recall is not None and count < store.num_samples:
         # recall falls as the candidates grow: the two recalls compare only over the same pairs
         raise FlagConflict(f"--clip-recall is compared with the reference's recall over the same pairs, and "
-                         f"'{store.root}' holds {store.num_samples}: give --samples {store.num_samples} (or more)")
+                           f"'{store.root}' holds {store.num_samples}: give --samples {store.num_samples} (or more)")
     image, text = _sample(store, count, seed)
     recalls = retrieval(image, text)
     batch = min(batch_size, count)
