@@ -1,0 +1,24 @@
+"""The suite at both ends of the supported range: `nox` (needs nox and uv; README "Run the tests").
+
+`.ci/run` tests the pinned environment of constraints.txt. These sessions install the lowest and the newest
+versions pyproject.toml allows and run the same tests, so that its bounds are ones that were tested rather than
+guessed: a user who installs without constraints.txt gets the newest of everything.
+"""
+import nox
+
+nox.options.default_venv_backend = 'uv'
+nox.options.sessions = ['oldest', 'newest']
+
+
+@nox.session(python='3.10')
+def oldest(session):
+    """The lowest Python and the lowest version of every direct dependency (torch 2.6, numpy 1.24, ...)."""
+    session.install('--resolution', 'lowest-direct', '-e', '.[test]')
+    session.run('python', '-m', 'pytest', '-q', *session.posargs)
+
+
+@nox.session(python='3.13')
+def newest(session):
+    """The newest Python tested and the newest release of every dependency."""
+    session.install('-e', '.[test]')
+    session.run('python', '-m', 'pytest', '-q', *session.posargs)
