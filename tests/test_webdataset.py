@@ -38,7 +38,7 @@ def test_drrho_trains_on_webdataset(shapes, shards, tmp_path, resampled):
 # `open_clip_train.main` with the start method of Python 3.14 on Linux, forkserver: a loader worker then receives the
 # dataset pickled, so a lambda anywhere in it (OpenCLIP 3.3.0's WebDataset and synthetic pipelines had two) fails the
 # run before its first batch; with fork (the default before 3.14) nothing is pickled and such a bug stays hidden
-FORKSERVER_MAIN = ("import multiprocessing, runpy; multiprocessing.set_start_method('forkserver'); "
+FORKSERVER_MAIN = ("import multiprocessing, runpy; multiprocessing.set_start_method('forkserver', force=True); "
                    "runpy.run_module('open_clip_train.main', run_name='__main__')")
 
 
