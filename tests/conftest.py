@@ -56,8 +56,13 @@ def train_args(shapes, logs, name, *extra, batch_size=8, epochs=1):
             '--name', name, '--save-frequency', '1', *extra]
 
 
-def openclip_command(args, nproc=1):
+def openclip_command(args, nproc=1, start_method=None):
     args = [str(a) for a in args]
+    if start_method is not None:  # one process whose loader workers start this way ('forkserver', 'spawn')
+        assert nproc == 1
+        main = (f"import multiprocessing, runpy; multiprocessing.set_start_method({start_method!r}, force=True); "
+                f"runpy.run_module('open_clip_train.main', run_name='__main__')")
+        return [sys.executable, '-c', main, *args]
     if nproc == 1:
         return [sys.executable, '-m', 'open_clip_train.main', *args]
     # `--` keeps torchrun from reading --logs as an abbreviation of its own options
@@ -72,9 +77,10 @@ def start_openclip(args):
     return subprocess.Popen(openclip_command(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
 
 
-def run_openclip(args, nproc=1, cwd=None, check=True):
-    """`python -m open_clip_train.main ARGS` (or torchrun with `nproc` gloo ranks); returns the CompletedProcess."""
-    cmd = openclip_command(args, nproc)
+def run_openclip(args, nproc=1, cwd=None, check=True, start_method=None):
+    """`python -m open_clip_train.main ARGS` (or torchrun with `nproc` gloo ranks, or one process whose loader
+    workers are started by `start_method`); returns the CompletedProcess."""
+    cmd = openclip_command(args, nproc, start_method)
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=ENV)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"

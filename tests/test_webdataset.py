@@ -35,17 +35,11 @@ def test_drrho_trains_on_webdataset(shapes, shards, tmp_path, resampled):
     assert log_u.shape == (64,) and visited.sum() >= 32  # WebDataset epochs are not exact passes
 
 
-# `open_clip_train.main` with the start method of Python 3.14 on Linux, forkserver: a loader worker then receives the
-# dataset pickled, so a lambda anywhere in it (OpenCLIP 3.3.0's WebDataset and synthetic pipelines had two) fails the
-# run before its first batch; with fork (the default before 3.14) nothing is pickled and such a bug stays hidden
-FORKSERVER_MAIN = ("import multiprocessing, runpy; multiprocessing.set_start_method('forkserver', force=True); "
-                   "runpy.run_module('open_clip_train.main', run_name='__main__')")
-
-
+# Loader workers started by forkserver, Python 3.14's default on Linux, receive the dataset pickled, so a lambda
+# anywhere in it (OpenCLIP 3.3.0's WebDataset and synthetic pipelines had two) fails the run before its first batch;
+# with fork (the default before 3.14) nothing is pickled and such a bug stays hidden.
 def test_loader_workers_started_by_forkserver_get_the_samples_extras(shapes, shards, tmp_path):
-    args = [str(a) for a in wds_args(shapes, shards, tmp_path, 'run')]
-    result = subprocess.run([sys.executable, '-c', FORKSERVER_MAIN, *args], capture_output=True, text=True, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_openclip(wds_args(shapes, shards, tmp_path, 'run'), start_method='forkserver')
     log_u = checkpoint(tmp_path, 'run', 2)['loss_state']['state.log_u_image']
     assert torch.isfinite(log_u).sum() >= 32  # each batch came with its sample index and reference features
 
@@ -54,9 +48,8 @@ def test_loader_workers_started_by_forkserver_get_the_samples_extras(shapes, sha
 def test_synthetic_data_trains_with_workers_started_by_forkserver(shapes, tmp_path, loss):
     args = ['--dataset-type', 'synthetic', '--train-num-samples', '32', '--model', shapes['model'],
             '--batch-size', '8', '--epochs', '1', '--workers', '2', '--precision', 'fp32', '--device', 'cpu',
-            '--logs', str(tmp_path), '--name', 'run', '--loss', loss]
-    result = subprocess.run([sys.executable, '-c', FORKSERVER_MAIN, *args], capture_output=True, text=True, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
+            '--logs', tmp_path, '--name', 'run', '--loss', loss]
+    run_openclip(args, start_method='forkserver')
     assert checkpoint(tmp_path, 'run', 1)['epoch'] == 1
 
 
