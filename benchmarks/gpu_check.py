@@ -11,6 +11,10 @@ Cases (each passes or fails on its own; the exit status is 0 only if every case 
   loss with `--tile-size 16`; train/drrho/online-reference: the reference model run by the plugin (`--ref-model`);
 - resume/...: a run continued with `--resume latest` (replicated, sharded and tiled state, per-sample τ, TempNet);
 - precompute/ViT-B-32: `drrho-openclip-features` with a randomly initialised ViT-B-32 on the device, then `verify`;
+- aggregation/...: the untiled DRO aggregation as the device runs it (compiled by TorchInductor on CUDA) against
+  the same aggregation run eagerly in float64 on the CPU from the same (dtype-rounded) features: values, and the
+  gradients of the features and of 1/τ (plain, with the reference shift, per-anchor τ, ADNCE's log-weights, a
+  rank's block of a larger batch; float32 and bf16 features; batch 12 and 2048);
 - two-ranks/...: two processes on one GPU in a `cuda:gloo` process group, which, like NCCL, rejects a CPU tensor in
   any collective (NCCL itself refuses two ranks on one GPU); each rank holds half of a global batch on the device,
   and the loss value, the features' gradients and the per-sample state must equal one process with the whole batch.
@@ -204,6 +208,70 @@ def two_rank_case(case, device, port):
         return f'two-ranks/{case}', False, time.perf_counter() - start, f'{type(error).__name__}: {error}'
 
 
+AGGREGATION_VARIANTS = ('plain', 'reference', 'per-anchor-tau', 'adnce', 'rank-block')
+
+
+def _aggregation_inputs(variant, batch, dtype, seed):
+    """(args, kwargs) of `dense_aggregate` in `dtype` on the CPU, every tensor a leaf; 1/τ float32 or wider."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(seed)
+    unit = lambda: F.normalize(torch.randn(batch, 64, generator=g, dtype=torch.float64), dim=1).to(dtype)
+    image, text = unit().requires_grad_(), unit().requires_grad_()
+    width = batch if variant == 'per-anchor-tau' else ()
+    inv_tau_image = (15 + 10 * torch.rand(width, generator=g, dtype=torch.float64)).requires_grad_()
+    inv_tau_text = (15 + 10 * torch.rand(width, generator=g, dtype=torch.float64)).requires_grad_()
+    kwargs = {}
+    if variant == 'reference':
+        kwargs['reference'] = (unit(), unit())
+    if variant == 'adnce':
+        from drrho_openclip.losses.adnce import adnce_log_weight
+        kwargs['negative_log_weight'] = adnce_log_weight(0.1, 0.3)
+    return (image, text, inv_tau_image, inv_tau_text), kwargs
+
+
+def _aggregate(args, kwargs, variant, device, dtype):
+    """(log g image, log g text, gradients of image, text, 1/τ image, 1/τ text) on `device`, features in `dtype`."""
+    from drrho_openclip.losses.dense import dense_aggregate
+    leaves = [a.detach().to(device, dtype if a.dim() == 2 else torch.promote_types(dtype, torch.float32))
+              .requires_grad_() for a in args]
+    image, text, inv_tau_image, inv_tau_text = leaves
+    reference = None
+    if 'reference' in kwargs:
+        ref_image, ref_text = (r.to(device, dtype) for r in kwargs['reference'])
+        reference = (ref_image, ref_text, ref_image, ref_text)
+    if variant == 'rank-block':  # rank 1 of 2: the second half of the anchors against the whole batch
+        half = image.shape[0] // 2
+        out = dense_aggregate(image[half:], text[half:], image, text, half, inv_tau_image, inv_tau_text)
+    else:
+        out = dense_aggregate(image, text, image, text, 0, inv_tau_image, inv_tau_text, reference,
+                              kwargs.get('negative_log_weight'))
+    upstream = torch.linspace(-1, 2, out[0].numel(), device=device, dtype=out[0].dtype)
+    grads = torch.autograd.grad((out[0] * upstream).sum() + (out[1] * upstream.flip(0)).sum(), leaves)
+    return [t.detach().cpu().double() for t in (*out, *grads)]
+
+
+def aggregation_case(variant, dtype, batch, device):
+    name = f"aggregation/{variant}/{str(dtype).removeprefix('torch.')}/{batch}"
+    start = time.perf_counter()
+    torch._dynamo.reset()  # every case compiled afresh (past dynamo's recompile limit it would run eagerly)
+    try:
+        args, kwargs = _aggregation_inputs(variant, batch, dtype, seed=batch)
+        on_device = _aggregate(args, kwargs, variant, device, dtype)
+        exact = _aggregate(args, kwargs, variant, 'cpu', torch.float64)
+        # values: the same rounded inputs, float32 arithmetic, except that a device without a float32-output
+        # 16-bit product (the CPU) rounds the similarities to bf16; gradients: bf16 ones are rounded to bf16
+        from drrho_openclip.losses.precision import _has_float32_output_mm
+        exact_products = dtype == torch.float32 or _has_float32_output_mm(torch.device(device))
+        tolerances = (1e-4 if exact_products else 1e-2, 1e-4 if dtype == torch.float32 else 2e-2)
+        for k, (got, want) in enumerate(zip(on_device, exact)):
+            error = ((got - want).norm() / want.norm()).item()
+            if not error <= tolerances[k >= 2]:  # NaN fails too
+                raise AssertionError(f"output {k}: relative error {error:.2e} > {tolerances[k >= 2]:.0e}")
+        return name, True, time.perf_counter() - start, ''
+    except Exception as error:  # noqa: BLE001 - every case reports on its own
+        return name, False, time.perf_counter() - start, f'{type(error).__name__}: {error}'
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--device', default='cuda', help="'cuda' (default) or 'cpu' to try the script")
@@ -238,6 +306,10 @@ def main(argv=None):
         jobs.append(pool.submit(lambda: _run_pair('precompute/ViT-B-32', compute, verify, logs, env)))
         for job in concurrent.futures.as_completed(jobs):
             record(job.result())
+    for variant in AGGREGATION_VARIANTS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch in (12, 2048):
+                record(aggregation_case(variant, dtype, batch, args.device))
     for k, case in enumerate(TWO_RANK_CASES):
         record(two_rank_case(case, args.device, 29500 + k))
 

@@ -7,20 +7,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from drrho_openclip.losses import create_loss
-from drrho_openclip.losses.dense import dense_aggregate, log_mean_exp_sim
+from drrho_openclip.losses.dense import dense_aggregate, log_mean_exp_rows
 from drrho_openclip.losses.tiled import (
     DEFAULT_TILE_SIZE, RowNormalizedLogWeight, make_tiled_aggregate, tiled_log_mean_exp_rows)
 
 B_ANCHORS, B_CANDIDATES, DIM, REF_DIM = 6, 17, 5, 4   # 17 is prime: only 1 and 17 divide it
 TILE_SIZES = [1, 3, 7, B_CANDIDATES, B_CANDIDATES + 5]
 OFFSETS = [0, 5, B_CANDIDATES - B_ANCHORS]          # the positive block at the start, straddling tiles, at the end
-
-
-def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
-                      negative_log_weight=None):
-    """The core's untiled computation for one direction, from the features."""
-    ref_sim = None if ref_anchors is None else ref_anchors @ ref_candidates.T
-    return log_mean_exp_sim(anchors @ candidates.T, offset, inv_tau, ref_sim, negative_log_weight)
 
 
 def tiled_rows(tile_size):

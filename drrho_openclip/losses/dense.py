@@ -1,5 +1,5 @@
 """The untiled aggregation of the DRO core: log g_i = log mean_{j≠i} exp(ℓ̂_ij/τ_i [+ log w_ij]) of every anchor,
-holding b×B matrices. `tiled.py` computes the same in column tiles, with memory linear in the batch.
+over b×B matrices. `tiled.py` computes the same in column tiles, with memory linear in the batch.
 
 Both follow one contract, `aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text,
 reference=None, negative_log_weight=None) -> (log_g_image, log_g_text)`:
@@ -16,13 +16,23 @@ reference=None, negative_log_weight=None) -> (log_g_image, log_g_text)`:
 - Returns the [b] log g of the image anchors over the texts and of the text anchors over the images, in float32 or
   wider, differentiable in the features, 1/τ and (should they require it) the reference features. Same value and
   gradients from both implementations; forward and backward do not depend on the ambient autocast state.
+
+How this one spends its time. With the shift, d_ij = s_ij − s^ref_ij = [x_i, x^ref_i]·[y_j, −y^ref_j] is one matrix
+product of the concatenated features (no second b×B matrix, no subtraction pass). Forward keeps that one matrix d
+(float32) and three numbers per row (log-sum-exp, Σ_j p_ij, the τ-slope); backward recomputes the softmax from them
+and writes the gradient straight in the features' dtype, for the two products with the features. When one process
+holds the whole batch both directions read the same d (the text rows are its columns), and backward writes one
+gradient for both. Everything over the b×B matrix is in `_row_statistics` and `_row_gradient`, plain torch: on
+CUDA, TorchInductor compiles each call site into a few kernels that stream d (a reduction pass per direction
+forward, one pass backward) instead of one kernel per operation, each reading and writing a b×B float32 matrix.
 """
+import functools
 import math
-from typing import Callable, Optional, Tuple
+from typing import Tuple
 
 import torch
 
-from .precision import autocast_disabled, similarities, without_autocast
+from .precision import autocast_disabled, elementwise_dtype, product, without_autocast
 
 
 def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
@@ -31,11 +41,6 @@ def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) ->
     mask = torch.zeros(num_anchors, num_candidates, dtype=torch.bool, device=device)
     mask[rows, rows + offset] = True
     return mask
-
-
-# the temperature's derivative multiplies two b×B matrices elementwise: in this many blocks of rows (an eighth of a
-# b×B matrix at a time, in a number of steps that does not grow with the batch)
-_SLOPE_BLOCKS = 8
 
 
 def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
@@ -48,114 +53,167 @@ def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.T
     return value + slope * (inv_tau - inv_tau.detach())
 
 
-class _LogMeanExpRows(torch.autograd.Function):
-    """(log g, ∂ log g/∂inv_tau) with log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i + log w_ij) from a [b, B] block of
-    shifted similarities d (s, or s − s^ref), ℓ̂_ij = d_ij − d_ii, with the gradient written out by hand: autograd's
-    version of the same expression keeps four b×B matrices for backward (the shifted loss, the logits, the mask, the
-    softmax), this keeps one (the softmax) and builds the gradient in place in it.
+# ---- the passes over the b×B matrix: plain torch, compiled on CUDA ------------------------------------------------
 
-    ∂ log g_i/∂d_ij = inv_tau_i p_ij (j ≠ i) and −inv_tau_i Σ_j p_ij at the positive (ℓ̂ subtracts d_ii from every
-    candidate), with p the softmax of row i over the negatives; ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij, computed in
-    forward when `with_slope` (empty otherwise) and not differentiable: `inv_tau` is a constant here,
-    `linear_in_inv_tau` puts the dependence back.
-    """
+def _negative_logits(shifted, inv_tau, log_w, offset):
+    """[b, B] ℓ̂_ij·inv_tau_i (+ log w_ij), ℓ̂_ij = d_ij − d_ii, −inf at the positives (j = offset + i)."""
+    rows = torch.arange(shifted.shape[0], device=shifted.device)[:, None]
+    cols = torch.arange(shifted.shape[1], device=shifted.device)
+    logits = torch.addcmul((-shifted.diagonal(offset) * inv_tau)[:, None], shifted, inv_tau[:, None])
+    if log_w is not None:
+        logits = logits + log_w
+    return logits.masked_fill(cols == rows + offset, float('-inf'))
+
+
+def _finite(lse):
+    # a row whose logits are all −inf has lse −inf and weights 0 (not NaN)
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def _row_statistics(shifted, inv_tau, log_w, offset, with_slope):
+    """(lse_i, Σ_j p_ij, Σ_j p_ij ℓ̂_ij) of every row of `shifted` [b, B], p_i the softmax of the row's logits over
+    its negatives. Σ_j p_ij is 1 up to rounding (0 for an all −inf row); backward uses the computed sum, so that each
+    row's gradient sums to exactly zero, as ℓ̂'s invariance to adding a constant to d's row says it must."""
+    logits = _negative_logits(shifted, inv_tau, log_w, offset)
+    lse = torch.logsumexp(logits, dim=1)
+    p = logits.sub_(_finite(lse)[:, None]).exp_()
+    weight = p.sum(dim=1)
+    # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (whatever the log-weights)
+    slope = (p * shifted).sum(dim=1) - shifted.diagonal(offset) * weight if with_slope else torch.zeros_like(lse)
+    return lse, weight, slope
+
+
+def _row_gradient(shifted, inv_tau, log_w, offset, lse, weight, upstream):
+    """(∂ Σ_i upstream_i log g_i / ∂d off the positives [b, B] (0 at them), the positives' entries [b]):
+    upstream_i inv_tau_i p_ij, and −upstream_i inv_tau_i Σ_j p_ij at the positive, whose d_ii every ℓ̂_ij subtracts."""
+    scale = upstream * inv_tau
+    p = _negative_logits(shifted, inv_tau, log_w, offset).sub_(_finite(lse)[:, None]).exp_()
+    return p.mul_(scale[:, None]), -scale * weight
+
+
+def _statistics(shifted, rows, columns, offset, with_slope):
+    """`_row_statistics` of the rows of d, and of its columns when `columns` is given (inv_tau, log_w of the
+    candidates' side: one process holds the whole batch, offset 0)."""
+    stats = _row_statistics(shifted, *rows, offset, with_slope)
+    if columns is None:
+        return stats
+    return stats + _row_statistics(shifted.T, *columns, 0, with_slope)
+
+
+def _gradient(shifted, rows, columns, offset, dtype):
+    """∂/∂d of Σ upstream·log g over the rows (and columns) of d, in `dtype`, the features' (the products with the
+    features read it). `rows`, `columns`: (inv_tau, log_w, lse, weight, upstream) of each side."""
+    grad, positive = _row_gradient(shifted, *rows[:2], offset, *rows[2:])
+    if columns is not None:
+        grad_columns, positive_columns = _row_gradient(shifted.T, *columns[:2], 0, *columns[2:])
+        grad, positive = grad + grad_columns.T, positive + positive_columns
+    is_positive = torch.arange(shifted.shape[1], device=shifted.device) == \
+        torch.arange(shifted.shape[0], device=shifted.device)[:, None] + offset
+    return torch.where(is_positive, positive[:, None], grad).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    # not fullgraph: a process that calls with more configurations than dynamo's recompile limit (a benchmark of
+    # every loss, not a training run) then runs the rest eagerly instead of failing; sizes become dynamic after
+    # the first change, so a run's shapes compile at most twice
+    return torch.compile(fn)
+
+
+def _fused(fn, shifted):
+    """`fn` as the device runs it best: compiled by TorchInductor on CUDA (a pass over the b×B matrix per
+    reduction or elementwise chain, instead of one per operation; `TORCH_COMPILE_DISABLE=1` turns it off), eager
+    elsewhere (the CPU's own kernels, no compiler needed)."""
+    return _compiled(fn) if shifted.is_cuda else fn
+
+
+# ---- the aggregation ------------------------------------------------------------------------------------------------
+
+class _DenseLogMeanExp(torch.autograd.Function):
+    """(log g, τ-slope) of the anchors over the candidates, d = anchors·candidatesᵀ [− ref_anchors·ref_candidatesᵀ],
+    and with `columns` also of the candidates over the anchors (d's columns; one process, offset 0). `rows` and
+    `columns` are (inv_tau [b], log_w [b, B] or None), constants. The slope ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij is
+    computed only `with_slope` (zeros otherwise) and not differentiable: `linear_in_inv_tau` puts the dependence on
+    τ back. Differentiable in the four feature sets."""
 
     @staticmethod
-    def forward(ctx, shifted, inv_tau, log_w, offset, with_slope):
-        with autocast_disabled(shifted.device):
-            return _LogMeanExpRows._forward(ctx, shifted, inv_tau, log_w, offset, with_slope)
-
-    @staticmethod
-    def _forward(ctx, shifted, inv_tau, log_w, offset, with_slope):
-        inv_tau_col = inv_tau.reshape(-1, 1) if inv_tau.dim() else inv_tau
-        # (d_ij − d_ii)·inv_tau_i in one pass over the block
-        logits = torch.addcmul(-shifted.diagonal(offset)[:, None] * inv_tau_col, shifted, inv_tau_col)
-        if log_w is not None:
-            logits.add_(log_w)
-        logits.diagonal(offset).fill_(float('-inf'))  # the positives: out of the sum, and a softmax weight of 0
-        lse = torch.logsumexp(logits, dim=1)
-        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
-        slope = lse.new_empty(0)
-        if with_slope or ctx.needs_input_grad[0]:
-            p = logits.sub_(lse_safe).exp_()  # the logits are not needed again
-            weight = p.sum(dim=1)  # Σ_j p_ij: the slope and backward's positive term both read it
-        else:
-            p = weight = None
-        if with_slope:
-            # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (ℓ̂_ij = d_ij − d_ii, whatever the log-weights): the products
-            # p_ij d_ij by blocks of rows, so that only a fraction of a b×B matrix is ever added to the loss's memory
-            block_rows = -(-p.shape[0] // _SLOPE_BLOCKS)
-            weighted = torch.cat([torch.linalg.vecdot(p[r0:r0 + block_rows], shifted[r0:r0 + block_rows], dim=1)
-                                  for r0 in range(0, p.shape[0], block_rows)])
-            slope = weighted - shifted.diagonal(offset) * weight
-        ctx.mark_non_differentiable(slope)
-        ctx.save_for_backward(p, weight, inv_tau)
-        ctx.offset = offset
-        return lse - math.log(shifted.shape[1] - 1), slope
+    def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, rows, columns, offset, with_slope):
+        with autocast_disabled(anchors.device):
+            if ref_anchors is None:
+                shifted = product(anchors, candidates.T)
+            else:  # s − s^ref as one product of the concatenated features
+                shifted = product(torch.cat([anchors, ref_anchors], 1), torch.cat([candidates, -ref_candidates], 1).T)
+            stats = _fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope)
+        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats)
+        ctx.rows, ctx.columns, ctx.offset = rows, columns, offset
+        log_mean = math.log(shifted.shape[1] - 1)
+        lse, _, slope = stats[:3]
+        lse_columns, _, slope_columns = stats[3:] if columns is not None else (lse.new_empty(0),) * 3
+        ctx.mark_non_differentiable(slope, slope_columns)
+        return lse - log_mean, slope, lse_columns - log_mean, slope_columns
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, grad_out, _grad_slope):
-        p, weight, inv_tau = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        coef = (grad_out * inv_tau)[:, None]
-        grad = p.mul_(coef)  # p is not needed again (backward runs once)
-        grad.diagonal(ctx.offset).copy_((-coef * weight[:, None]).squeeze(1))
-        return grad, None, None, None, None
+    def backward(ctx, upstream, _slope, upstream_columns, _slope_columns):
+        anchors, candidates, ref_anchors, ref_candidates, shifted, *stats = ctx.saved_tensors
+        rows = (*ctx.rows, *stats[:2], upstream)
+        columns = None if ctx.columns is None else (*ctx.columns, *stats[3:5], upstream_columns)
+        grad = _fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype)
+        needs = ctx.needs_input_grad
+        grads = (product(grad, candidates).to(anchors.dtype) if needs[0] else None,
+                 product(grad.T, anchors).to(candidates.dtype) if needs[1] else None,
+                 (-product(grad, ref_candidates)).to(ref_anchors.dtype) if needs[2] else None,
+                 (-product(grad.T, ref_anchors)).to(ref_candidates.dtype) if needs[3] else None)
+        return (*grads, None, None, None, None)
 
 
-def log_mean_exp_sim(
-        sim: torch.Tensor,
-        offset: int,
-        inv_tau: torch.Tensor,
-        ref_sim: Optional[torch.Tensor] = None,
-        negative_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-) -> torch.Tensor:
-    """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]) for every row of a [b, B] similarity block
-    whose positives sit at column offset + i; ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), the reference term only
-    when `ref_sim` is given. Differentiable in `sim`, `ref_sim` and `inv_tau` (a scalar or a [b] tensor).
-
-    `negative_log_weight(sim, positive_mask)` returns [b, B] log-weights of the candidates (e.g. ADNCE), constants of
-    the graph; it sees the raw similarities.
-    """
-    shifted = sim if ref_sim is None else sim - ref_sim
-    return _log_mean_exp_shifted(shifted, sim, offset, inv_tau, negative_log_weight)
+def _per_row(inv_tau, features: torch.Tensor) -> torch.Tensor:
+    """1/τ (a scalar or [b]) as one constant per anchor, in the elementwise dtype of `features`."""
+    inv_tau = torch.as_tensor(inv_tau, dtype=elementwise_dtype(features.dtype), device=features.device)
+    return inv_tau.detach().expand(features.shape[0]).contiguous()
 
 
-def _log_mean_exp_shifted(shifted, sim, offset, inv_tau, negative_log_weight):
-    """`log_mean_exp_sim` from the shifted similarities (s, or s − s^ref); `sim`, the raw ones, is read by the
-    log-weights only (None without them)."""
-    inv_tau = torch.as_tensor(inv_tau, dtype=shifted.dtype, device=shifted.device)
-    log_w = None
-    if negative_log_weight is not None:
-        mask = positive_mask(sim.shape[0], sim.shape[1], offset, sim.device)
-        log_w = negative_log_weight(sim.detach(), mask).detach().to(shifted.dtype)
-    log_g, slope = _LogMeanExpRows.apply(shifted, inv_tau.detach(), log_w, offset, inv_tau.requires_grad)
-    return linear_in_inv_tau(log_g, slope, inv_tau)
+def _negative_log_weights(negative_log_weight, anchors, candidates, offset):
+    """The constant log-weights of a direction, from its raw similarities (None without a weighting)."""
+    if negative_log_weight is None:
+        return None
+    sim = product(anchors.detach(), candidates.detach().T)
+    mask = positive_mask(sim.shape[0], sim.shape[1], offset, sim.device)
+    return negative_log_weight(sim, mask).detach()
+
+
+def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
+                      negative_log_weight=None) -> torch.Tensor:
+    """log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i [+ log w_ij]) of every anchor [b] over the candidates [B] (anchor
+    i's positive is candidate offset + i), ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), the reference term only with
+    reference features. Differentiable in the features and `inv_tau` (a scalar or a [b] tensor)."""
+    with autocast_disabled(anchors.device):
+        rows = (_per_row(inv_tau, anchors),
+                _negative_log_weights(negative_log_weight, anchors, candidates, offset))
+        log_g, slope, _, _ = _DenseLogMeanExp.apply(anchors, candidates, ref_anchors, ref_candidates, rows, None,
+                                                    offset, torch.is_tensor(inv_tau) and inv_tau.requires_grad)
+        return linear_in_inv_tau(log_g, slope, inv_tau)
 
 
 def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
                     negative_log_weight=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(log g of the image anchors over the texts, log g of the text anchors over the images), holding b×B matrices
-    (the contract in the module docstring).
-
-    When the anchors are the whole batch (one process) the text direction's similarities are the transpose of the
-    image direction's: one matrix product (and one reference shift s − s^ref) serves both, and backward sums both
-    directions' gradients into it before the two products with the features.
-    """
+    (the contract in the module docstring). When the anchors are the whole batch (one process) the text direction's
+    matrix is the transpose of the image direction's: one product, one matrix and one gradient serve both."""
+    ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
+    if not (image is all_image and text is all_text):
+        return (log_mean_exp_rows(image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
+                                  negative_log_weight),
+                log_mean_exp_rows(text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
+                                  negative_log_weight))
     with autocast_disabled(image.device):
-        whole_batch = image is all_image and text is all_text
-        sim_image = similarities(image, all_text)
-        sim_text = sim_image.T if whole_batch else similarities(text, all_image)
-        shifted_image, shifted_text = sim_image, sim_text
-        if reference is not None:
-            ref_image, ref_text, all_ref_image, all_ref_text = reference
-            shifted_image = sim_image - similarities(ref_image, all_ref_text)
-            shifted_text = shifted_image.T if whole_batch else sim_text - similarities(ref_text, all_ref_image)
-        # the raw similarities are needed for the log-weights only (e.g. ADNCE's): otherwise they are let go here
-        raw_image, raw_text = (sim_image, sim_text) if negative_log_weight is not None else (None, None)
-        del sim_image, sim_text
-        return (_log_mean_exp_shifted(shifted_image, raw_image, offset, inv_tau_image, negative_log_weight),
-                _log_mean_exp_shifted(shifted_text, raw_text, offset, inv_tau_text, negative_log_weight))
+        rows = (_per_row(inv_tau_image, image),
+                _negative_log_weights(negative_log_weight, image, text, offset))
+        columns = (_per_row(inv_tau_text, text),
+                   _negative_log_weights(negative_log_weight, text, image, offset))
+        with_slope = inv_tau_image.requires_grad or inv_tau_text.requires_grad
+        log_g_image, slope_image, log_g_text, slope_text = _DenseLogMeanExp.apply(
+            image, text, ref_image, ref_text, rows, columns, offset, with_slope)
+        return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image),
+                linear_in_inv_tau(log_g_text, slope_text, inv_tau_text))

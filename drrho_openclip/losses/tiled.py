@@ -291,7 +291,7 @@ def tiled_log_mean_exp_rows(
         tile_size: int = DEFAULT_TILE_SIZE,
 ) -> torch.Tensor:
     """log g_i = log mean_{j≠i} exp(ℓ̂_ij · inv_tau_i [+ log w_ij]) of the anchors against the candidates (anchor
-    i's positive is candidate offset + i): `dense.log_mean_exp_sim` of their similarities, tiled. `tile_size` is the
+    i's positive is candidate offset + i): `dense.log_mean_exp_rows`, tiled. `tile_size` is the
     number of candidate columns processed at a time, so no more than a [b, tile_size] block of a pairwise matrix is
     alive in forward or backward.
     Differentiable in `anchors`, `candidates`, `inv_tau` (0-dim, [1] or [b]) and the reference features.
