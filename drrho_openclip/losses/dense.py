@@ -36,11 +36,10 @@ from .precision import autocast_disabled, elementwise_dtype, product, without_au
 
 
 def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
-    """[b, B] boolean mask of each anchor's own pair, which sits at column offset + i."""
-    rows = torch.arange(num_anchors, device=device)
-    mask = torch.zeros(num_anchors, num_candidates, dtype=torch.bool, device=device)
-    mask[rows, rows + offset] = True
-    return mask
+    """[b, B] boolean mask of each anchor's own pair, which sits at column offset + i (a comparison of indices,
+    which a compiled pass computes in its kernel instead of reading a b×B tensor)."""
+    rows = torch.arange(num_anchors, device=device)[:, None]
+    return torch.arange(num_candidates, device=device) == rows + offset
 
 
 def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
@@ -57,17 +56,16 @@ def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.T
 
 def _negative_logits(shifted, inv_tau, log_w, offset):
     """[b, B] ℓ̂_ij·inv_tau_i (+ log w_ij), ℓ̂_ij = d_ij − d_ii, −inf at the positives (j = offset + i)."""
-    rows = torch.arange(shifted.shape[0], device=shifted.device)[:, None]
-    cols = torch.arange(shifted.shape[1], device=shifted.device)
     logits = torch.addcmul((-shifted.diagonal(offset) * inv_tau)[:, None], shifted, inv_tau[:, None])
     if log_w is not None:
         logits = logits + log_w
-    return logits.masked_fill(cols == rows + offset, float('-inf'))
+    return logits.masked_fill(positive_mask(*shifted.shape, offset, shifted.device), float('-inf'))
 
 
-def _finite(lse):
-    # a row whose logits are all −inf has lse −inf and weights 0 (not NaN)
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+def _softmax_(logits, lse):
+    """The logits' softmax rows, in place, from their log-sum-exp; a row whose logits are all −inf (lse −inf) gets
+    weights 0, not NaN."""
+    return logits.sub_(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]).exp_()
 
 
 def _row_statistics(shifted, inv_tau, log_w, offset, with_slope):
@@ -76,7 +74,7 @@ def _row_statistics(shifted, inv_tau, log_w, offset, with_slope):
     row's gradient sums to exactly zero, as ℓ̂'s invariance to adding a constant to d's row says it must."""
     logits = _negative_logits(shifted, inv_tau, log_w, offset)
     lse = torch.logsumexp(logits, dim=1)
-    p = logits.sub_(_finite(lse)[:, None]).exp_()
+    p = _softmax_(logits, lse)
     weight = p.sum(dim=1)
     # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (whatever the log-weights)
     slope = (p * shifted).sum(dim=1) - shifted.diagonal(offset) * weight if with_slope else torch.zeros_like(lse)
@@ -87,7 +85,7 @@ def _row_gradient(shifted, inv_tau, log_w, offset, lse, weight, upstream):
     """(∂ Σ_i upstream_i log g_i / ∂d off the positives [b, B] (0 at them), the positives' entries [b]):
     upstream_i inv_tau_i p_ij, and −upstream_i inv_tau_i Σ_j p_ij at the positive, whose d_ii every ℓ̂_ij subtracts."""
     scale = upstream * inv_tau
-    p = _negative_logits(shifted, inv_tau, log_w, offset).sub_(_finite(lse)[:, None]).exp_()
+    p = _softmax_(_negative_logits(shifted, inv_tau, log_w, offset), lse)
     return p.mul_(scale[:, None]), -scale * weight
 
 
@@ -107,9 +105,7 @@ def _gradient(shifted, rows, columns, offset, dtype):
     if columns is not None:
         grad_columns, positive_columns = _row_gradient(shifted.T, *columns[:2], 0, *columns[2:])
         grad, positive = grad + grad_columns.T, positive + positive_columns
-    is_positive = torch.arange(shifted.shape[1], device=shifted.device) == \
-        torch.arange(shifted.shape[0], device=shifted.device)[:, None] + offset
-    return torch.where(is_positive, positive[:, None], grad).to(dtype)
+    return torch.where(positive_mask(*shifted.shape, offset, shifted.device), positive[:, None], grad).to(dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,18 +127,29 @@ def _fused(fn, shifted):
 
 class _DenseLogMeanExp(torch.autograd.Function):
     """(log g, τ-slope) of the anchors over the candidates, d = anchors·candidatesᵀ [− ref_anchors·ref_candidatesᵀ],
-    and with `columns` also of the candidates over the anchors (d's columns; one process, offset 0). `rows` and
-    `columns` are (inv_tau [b], log_w [b, B] or None), constants. The slope ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij is
+    and with `inv_tau_columns` also of the candidates over the anchors (d's columns; one process, offset 0). 1/τ is one
+    constant per anchor ([b]); `negative_log_weight` (or None) gives each direction's constant log-weights from its
+    raw similarities. The slope ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij is
     computed only `with_slope` (zeros otherwise) and not differentiable: `linear_in_inv_tau` puts the dependence on
     τ back. Differentiable in the four feature sets."""
 
     @staticmethod
-    def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, rows, columns, offset, with_slope):
+    def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, inv_tau, inv_tau_columns, negative_log_weight,
+                offset, with_slope):
         with autocast_disabled(anchors.device):
             if ref_anchors is None:
                 shifted = product(anchors, candidates.T)
             else:  # s − s^ref as one product of the concatenated features
                 shifted = product(torch.cat([anchors, ref_anchors], 1), torch.cat([candidates, -ref_candidates], 1).T)
+            log_w = log_w_columns = None
+            if negative_log_weight is not None:  # from the raw similarities: without the shift, d itself
+                sim = shifted if ref_anchors is None else product(anchors, candidates.T)
+                log_w = negative_log_weight(sim, positive_mask(*sim.shape, offset, sim.device))
+                if inv_tau_columns is not None:
+                    log_w_columns = negative_log_weight(sim.T, positive_mask(*sim.T.shape, 0, sim.device))
+                del sim
+            rows = (inv_tau, log_w)
+            columns = None if inv_tau_columns is None else (inv_tau_columns, log_w_columns)
             stats = _fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope)
         ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats)
         ctx.rows, ctx.columns, ctx.offset = rows, columns, offset
@@ -165,7 +172,7 @@ class _DenseLogMeanExp(torch.autograd.Function):
                  product(grad.T, anchors).to(candidates.dtype) if needs[1] else None,
                  (-product(grad, ref_candidates)).to(ref_anchors.dtype) if needs[2] else None,
                  (-product(grad.T, ref_anchors)).to(ref_candidates.dtype) if needs[3] else None)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _per_row(inv_tau, features: torch.Tensor) -> torch.Tensor:
@@ -174,25 +181,15 @@ def _per_row(inv_tau, features: torch.Tensor) -> torch.Tensor:
     return inv_tau.detach().expand(features.shape[0]).contiguous()
 
 
-def _negative_log_weights(negative_log_weight, anchors, candidates, offset):
-    """The constant log-weights of a direction, from its raw similarities (None without a weighting)."""
-    if negative_log_weight is None:
-        return None
-    sim = product(anchors.detach(), candidates.detach().T)
-    mask = positive_mask(sim.shape[0], sim.shape[1], offset, sim.device)
-    return negative_log_weight(sim, mask).detach()
-
-
 def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
                       negative_log_weight=None) -> torch.Tensor:
     """log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i [+ log w_ij]) of every anchor [b] over the candidates [B] (anchor
     i's positive is candidate offset + i), ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), the reference term only with
     reference features. Differentiable in the features and `inv_tau` (a scalar or a [b] tensor)."""
     with autocast_disabled(anchors.device):
-        rows = (_per_row(inv_tau, anchors),
-                _negative_log_weights(negative_log_weight, anchors, candidates, offset))
-        log_g, slope, _, _ = _DenseLogMeanExp.apply(anchors, candidates, ref_anchors, ref_candidates, rows, None,
-                                                    offset, torch.is_tensor(inv_tau) and inv_tau.requires_grad)
+        log_g, slope, _, _ = _DenseLogMeanExp.apply(
+            anchors, candidates, ref_anchors, ref_candidates, _per_row(inv_tau, anchors), None, negative_log_weight,
+            offset, torch.is_tensor(inv_tau) and inv_tau.requires_grad)
         return linear_in_inv_tau(log_g, slope, inv_tau)
 
 
@@ -208,12 +205,9 @@ def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
                 log_mean_exp_rows(text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
                                   negative_log_weight))
     with autocast_disabled(image.device):
-        rows = (_per_row(inv_tau_image, image),
-                _negative_log_weights(negative_log_weight, image, text, offset))
-        columns = (_per_row(inv_tau_text, text),
-                   _negative_log_weights(negative_log_weight, text, image, offset))
         with_slope = inv_tau_image.requires_grad or inv_tau_text.requires_grad
         log_g_image, slope_image, log_g_text, slope_text = _DenseLogMeanExp.apply(
-            image, text, ref_image, ref_text, rows, columns, offset, with_slope)
+            image, text, ref_image, ref_text, _per_row(inv_tau_image, image), _per_row(inv_tau_text, text),
+            negative_log_weight, offset, with_slope)
         return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image),
                 linear_in_inv_tau(log_g_text, slope_text, inv_tau_text))
