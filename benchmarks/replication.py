@@ -737,6 +737,9 @@ def parse_args(argv=None):
                                        "amp_bf16 on a GPU)")
     p.add_argument('--jobs', type=int, help='runs at once, each in its own process (default: one per core on the CPU, '
                                             '3 on a GPU)')
+    p.add_argument('--loader-workers', type=int,
+                   help="data-loading processes of each training run and precompute (default: 0 on the CPU, whose "
+                        "cores train; on a GPU the cores per run minus one, so decoding keeps up with the GPU)")
     p.add_argument('--workdir', default=str(HERE / 'results' / 'tmp' / 'replication'))
     p.add_argument('--output', default=str(RESULTS))
     args = p.parse_args(argv)
@@ -760,6 +763,10 @@ def parse_args(argv=None):
     args.jobs = args.jobs or (os.cpu_count() if args.device == 'cpu' else 3)
     # on a GPU the CPU's cores decode the images and evaluate the checkpoints, shared by the runs
     args.threads = 1 if args.device == 'cpu' else max(1, os.cpu_count() // args.jobs)
+    if args.loader_workers is None:
+        args.loader_workers = 0 if args.device == 'cpu' else max(1, args.threads - 1)
+    elif args.loader_workers < 0:
+        p.error('--loader-workers must be 0 or more')
     args.fractions = sorted(set(args.fractions))
     if not 0 < args.fractions[0] or args.fractions[-1] != 1:
         p.error('--fractions must lie in (0, 1] and include 1 (100%: the epochs, the variance check)')
@@ -783,16 +790,17 @@ def reads_reference(reference: str, flags) -> bool:
 
 def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=(), batch_size=None):
     from drrho_openclip.demo import train_args
-    # in-process runs: no loader worker processes, and a log line per epoch rather than per step
+    # a log line per epoch rather than per step
     return train_args(model, data.openclip_args(num_samples), logs, name, epochs=epochs,
                       batch_size=batch_size or args.batch_size,
-                      lr=args.preset['lr'], seed=seed, warmup=5, workers=0, log_every_n_steps=1000,
+                      lr=args.preset['lr'], seed=seed, warmup=5, workers=args.loader_workers, log_every_n_steps=1000,
                       device=args.device, precision=args.precision, extra=extra)
 
 
 def precompute(model, checkpoint, data: Dataset, output: Path, args):
     cmd = [sys.executable, '-m', 'drrho_openclip.precompute', '--model', model, '--pretrained', str(checkpoint),
-           '--train-data', data.spec, '--output', str(output), '--workers', '0', '--device', args.device,
+           '--train-data', data.spec, '--output', str(output), '--workers', str(args.loader_workers),
+           '--device', args.device,
            '--dataset-type', 'csv' if data.is_csv else 'webdataset']
     if data.is_csv:
         cmd += ['--csv-separator', args.csv_separator, '--csv-img-key', args.csv_img_key,
@@ -1227,7 +1235,8 @@ def main(argv=None):
         # the CPU's kernel family is recorded because it changes float rounding, and so a run's last digits
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.backends.cpu.get_cpu_capability()} kernels, "
                 f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end, "
-                f"torch threads {args.threads} per worker x {args.jobs} workers" +
+                f"torch threads {args.threads} per worker x {args.jobs} workers, "
+                f"{args.loader_workers} data-loading processes per run" +
                 (f", trained on {torch.cuda.get_device_name()} with --precision {args.precision}"
                  if args.device == 'cuda' else ''),
         reference_description=reference_description, reference_accuracy=ref['accuracy'],

@@ -238,7 +238,13 @@ def test_replication_trains_on_the_device_asked_for(device, precision, monkeypat
     assert (after('--device'), after('--precision')) == (device, precision)
     # one single-threaded process per core on a CPU; on a GPU the cores are shared by the runs' loaders
     assert (args.jobs, args.threads) == ((16, 1) if device == 'cpu' else (3, 16 // 3))
+    # the CPU's cores train; on a GPU each run decodes its images in the rest of its share of the cores
+    assert after('--workers') == (0 if device == 'cpu' else 16 // 3 - 1)
     assert replication.parse_args(['--quick', '--device', device, '--precision', 'amp']).precision == 'amp'
+    args = replication.parse_args(['--quick', '--device', device, '--loader-workers', '2'])
+    assert replication.train_argv('tiny', data, 64, 'logs', 'run', 3, args, 0)[argv.index('--workers') + 1] == 2
+    with pytest.raises(SystemExit):
+        replication.parse_args(['--quick', '--loader-workers', '-1'])
 
 
 def test_replication_reference_batch_defaults_to_the_targets():

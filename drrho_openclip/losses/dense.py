@@ -42,6 +42,18 @@ def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) ->
     return torch.arange(num_candidates, device=device) == rows + offset
 
 
+def _set_positives(matrix: torch.Tensor, offset: int, value) -> torch.Tensor:
+    """`matrix` [b, B] with `value` (a number, or one per row [b]) at each anchor's positive, column offset + i.
+    Compiled, a `where` on the index comparison, which the kernel evaluates as it streams the matrix; eager, the b
+    entries written in place (a b×B mask and a copy would be two more passes over the matrix on the CPU)."""
+    if torch.compiler.is_compiling():
+        value = value[:, None] if torch.is_tensor(value) else value
+        return torch.where(positive_mask(*matrix.shape, offset, matrix.device), value, matrix)
+    positives = matrix.diagonal(offset)
+    positives.copy_(value) if torch.is_tensor(value) else positives.fill_(value)
+    return matrix
+
+
 def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
     """`value` (computed with 1/τ detached) made differentiable in `inv_tau` through its derivative `slope` there:
     value + slope·(inv_tau − inv_tau.detach()) adds exactly zero. A gradient with respect to τ alone, which a learned
@@ -58,8 +70,8 @@ def _negative_logits(shifted, inv_tau, log_w, offset):
     """[b, B] ℓ̂_ij·inv_tau_i (+ log w_ij), ℓ̂_ij = d_ij − d_ii, −inf at the positives (j = offset + i)."""
     logits = torch.addcmul((-shifted.diagonal(offset) * inv_tau)[:, None], shifted, inv_tau[:, None])
     if log_w is not None:
-        logits = logits + log_w
-    return logits.masked_fill(positive_mask(*shifted.shape, offset, shifted.device), float('-inf'))
+        logits += log_w
+    return _set_positives(logits, offset, float('-inf'))
 
 
 def _softmax_(logits, lse):
@@ -104,8 +116,8 @@ def _gradient(shifted, rows, columns, offset, dtype):
     grad, positive = _row_gradient(shifted, *rows[:2], offset, *rows[2:])
     if columns is not None:
         grad_columns, positive_columns = _row_gradient(shifted.T, *columns[:2], 0, *columns[2:])
-        grad, positive = grad + grad_columns.T, positive + positive_columns
-    return torch.where(positive_mask(*shifted.shape, offset, shifted.device), positive[:, None], grad).to(dtype)
+        grad, positive = grad.add_(grad_columns.T), positive + positive_columns
+    return _set_positives(grad, offset, positive).to(dtype)
 
 
 @functools.lru_cache(maxsize=None)
