@@ -11,10 +11,11 @@ Cases (each passes or fails on its own; the exit status is 0 only if every case 
   loss with `--tile-size 16`; train/drrho/online-reference: the reference model run by the plugin (`--ref-model`);
 - resume/...: a run continued with `--resume latest` (replicated, sharded and tiled state, per-sample τ, TempNet);
 - precompute/ViT-B-32: `drrho-openclip-features` with a randomly initialised ViT-B-32 on the device, then `verify`;
-- aggregation/...: the untiled DRO aggregation as the device runs it (compiled by TorchInductor on CUDA) against
-  the same aggregation run eagerly in float64 on the CPU from the same (dtype-rounded) features: values, and the
-  gradients of the features and of 1/τ (plain, with the reference shift, per-anchor τ, ADNCE's log-weights, a
-  rank's block of a larger batch; float32 and bf16 features; batch 12 and 2048);
+- aggregation/...: the DRO aggregations as the device runs them (their passes compiled by TorchInductor on CUDA)
+  against the same aggregation run eagerly in float64 on the CPU from the same (dtype-rounded) features: values, and
+  the gradients of the features and of 1/τ (untiled: plain, with the reference shift, per-anchor τ, ADNCE's
+  log-weights, a rank's block of a larger batch; tiled in three column tiles: the shift, ADNCE, a rank's block;
+  float32 and bf16 features; batch 12 and 2048);
 - two-ranks/...: two processes on one GPU in a `cuda:gloo` process group, which, like NCCL, rejects a CPU tensor in
   any collective (NCCL itself refuses two ranks on one GPU); each rank holds half of a global batch on the device,
   and the loss value, the features' gradients and the per-sample state must equal one process with the whole batch.
@@ -208,11 +209,14 @@ def two_rank_case(case, device, port):
         return f'two-ranks/{case}', False, time.perf_counter() - start, f'{type(error).__name__}: {error}'
 
 
-AGGREGATION_VARIANTS = ('plain', 'reference', 'per-anchor-tau', 'adnce', 'rank-block')
+# the untiled aggregation, and the tiled one ('tiled-…': three column tiles, the last narrower) on the same inputs
+AGGREGATION_VARIANTS = ('plain', 'reference', 'per-anchor-tau', 'adnce', 'rank-block',
+                        'tiled-reference', 'tiled-adnce', 'tiled-rank-block')
 
 
 def _aggregation_inputs(variant, batch, dtype, seed):
-    """(args, kwargs) of `dense_aggregate` in `dtype` on the CPU, every tensor a leaf; 1/τ float32 or wider."""
+    """(args, kwargs) of an aggregation in `dtype` on the CPU, every tensor a leaf; 1/τ float32 or wider."""
+    variant = variant.removeprefix('tiled-')
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(seed)
     unit = lambda: F.normalize(torch.randn(batch, 64, generator=g, dtype=torch.float64), dim=1).to(dtype)
@@ -232,6 +236,10 @@ def _aggregation_inputs(variant, batch, dtype, seed):
 def _aggregate(args, kwargs, variant, device, dtype):
     """(log g image, log g text, gradients of image, text, 1/τ image, 1/τ text) on `device`, features in `dtype`."""
     from drrho_openclip.losses.dense import dense_aggregate
+    from drrho_openclip.losses.tiled import make_tiled_aggregate
+    aggregate = dense_aggregate
+    if variant.startswith('tiled-'):
+        aggregate, variant = make_tiled_aggregate(args[0].shape[0] // 3 + 1), variant.removeprefix('tiled-')
     leaves = [a.detach().to(device, dtype if a.dim() == 2 else torch.promote_types(dtype, torch.float32))
               .requires_grad_() for a in args]
     image, text, inv_tau_image, inv_tau_text = leaves
@@ -241,10 +249,10 @@ def _aggregate(args, kwargs, variant, device, dtype):
         reference = (ref_image, ref_text, ref_image, ref_text)
     if variant == 'rank-block':  # rank 1 of 2: the second half of the anchors against the whole batch
         half = image.shape[0] // 2
-        out = dense_aggregate(image[half:], text[half:], image, text, half, inv_tau_image, inv_tau_text)
+        out = aggregate(image[half:], text[half:], image, text, half, inv_tau_image, inv_tau_text)
     else:
-        out = dense_aggregate(image, text, image, text, 0, inv_tau_image, inv_tau_text, reference,
-                              kwargs.get('negative_log_weight'))
+        out = aggregate(image, text, image, text, 0, inv_tau_image, inv_tau_text, reference,
+                        kwargs.get('negative_log_weight'))
     upstream = torch.linspace(-1, 2, out[0].numel(), device=device, dtype=out[0].dtype)
     grads = torch.autograd.grad((out[0] * upstream).sum() + (out[1] * upstream.flip(0)).sum(), leaves)
     return [t.detach().cpu().double() for t in (*out, *grads)]

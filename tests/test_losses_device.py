@@ -225,27 +225,31 @@ def test_backward_inside_autocast_equals_backward_outside(name, options, tile_si
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize('aggregation', ['untiled', 'tiled'])
 @pytest.mark.parametrize('whole_batch', [True, False], ids=['one-process', 'rank-block'])
-def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch):
-    """On CUDA the untiled aggregation runs its b×B passes compiled by TorchInductor (`dense._fused`). Compiled here
+def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregation):
+    """On CUDA both aggregations run their passes over d compiled by TorchInductor (`passes.fused`). Compiled here
     for the CPU (same graphs, no graph break allowed), they give the eager values and gradients: both directions,
-    the reference shift, per-anchor learned τ and ADNCE's log-weights."""
-    from drrho_openclip.losses import dense
+    the reference shift, per-anchor learned τ and ADNCE's log-weights; tiled, with a last tile narrower than the
+    others and the positives spread over several tiles."""
+    from drrho_openclip.losses import dense, passes
     from drrho_openclip.losses.adnce import adnce_log_weight
+    from drrho_openclip.losses.tiled import make_tiled_aggregate
+    aggregate = dense.dense_aggregate if aggregation == 'untiled' else make_tiled_aggregate(4)
 
     def run(fused):
-        monkeypatch.setattr(dense, '_fused', fused)
+        monkeypatch.setattr(passes, 'fused', fused)
         image, text, ref_image, ref_text = batch('cpu', n=10, d=8)
         inv_tau = (10 + torch.arange(10.0)).requires_grad_()
         anchors = slice(None) if whole_batch else slice(5, None)
         reference = (ref_image[anchors], ref_text[anchors], ref_image, ref_text)
-        out = dense.dense_aggregate(image[anchors], text[anchors], image, text, 0 if whole_batch else 5,
-                                    inv_tau[anchors], inv_tau[anchors].flip(0), reference, adnce_log_weight(0.1, 0.3))
+        out = aggregate(image[anchors], text[anchors], image, text, 0 if whole_batch else 5,
+                        inv_tau[anchors], inv_tau[anchors].flip(0), reference, adnce_log_weight(0.1, 0.3))
         upstream = torch.linspace(-1, 2, out[0].numel())
         total = (out[0] * upstream).sum() + (out[1] * upstream.flip(0)).sum()
         return [t.detach() for t in (*out, *torch.autograd.grad(total, (image, text, inv_tau)))]
 
-    eager = run(lambda fn, shifted: fn)
-    compiled = run(lambda fn, shifted: torch.compile(fn, fullgraph=True))  # fullgraph: no graph break either
+    eager = run(lambda fn, block: fn)
+    compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True))  # fullgraph: no graph break either
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -22,36 +22,15 @@ product of the concatenated features (no second b×B matrix, no subtraction pass
 (float32) and three numbers per row (log-sum-exp, Σ_j p_ij, the τ-slope); backward recomputes the softmax from them
 and writes the gradient straight in the features' dtype, for the two products with the features. When one process
 holds the whole batch both directions read the same d (the text rows are its columns), and backward writes one
-gradient for both. Everything over the b×B matrix is in `_row_statistics` and `_row_gradient`, plain torch: on
-CUDA, TorchInductor compiles each call site into a few kernels that stream d (a reduction pass per direction
-forward, one pass backward) instead of one kernel per operation, each reading and writing a b×B float32 matrix.
+gradient for both. Everything over the b×B matrix is a pass of `passes.py`, compiled on CUDA.
 """
-import functools
 import math
 from typing import Tuple
 
 import torch
 
-from .precision import autocast_disabled, elementwise_dtype, product, without_autocast
-
-
-def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
-    """[b, B] boolean mask of each anchor's own pair, which sits at column offset + i (a comparison of indices,
-    which a compiled pass computes in its kernel instead of reading a b×B tensor)."""
-    rows = torch.arange(num_anchors, device=device)[:, None]
-    return torch.arange(num_candidates, device=device) == rows + offset
-
-
-def _set_positives(matrix: torch.Tensor, offset: int, value) -> torch.Tensor:
-    """`matrix` [b, B] with `value` (a number, or one per row [b]) at each anchor's positive, column offset + i.
-    Compiled, a `where` on the index comparison, which the kernel evaluates as it streams the matrix; eager, the b
-    entries written in place (a b×B mask and a copy would be two more passes over the matrix on the CPU)."""
-    if torch.compiler.is_compiling():
-        value = value[:, None] if torch.is_tensor(value) else value
-        return torch.where(positive_mask(*matrix.shape, offset, matrix.device), value, matrix)
-    positives = matrix.diagonal(offset)
-    positives.copy_(value) if torch.is_tensor(value) else positives.fill_(value)
-    return matrix
+from . import passes
+from .precision import autocast_disabled, product, without_autocast
 
 
 def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
@@ -64,75 +43,31 @@ def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.T
     return value + slope * (inv_tau - inv_tau.detach())
 
 
-# ---- the passes over the b×B matrix: plain torch, compiled on CUDA ------------------------------------------------
-
-def _negative_logits(shifted, inv_tau, log_w, offset):
-    """[b, B] ℓ̂_ij·inv_tau_i (+ log w_ij), ℓ̂_ij = d_ij − d_ii, −inf at the positives (j = offset + i)."""
-    logits = torch.addcmul((-shifted.diagonal(offset) * inv_tau)[:, None], shifted, inv_tau[:, None])
-    if log_w is not None:
-        logits += log_w
-    return _set_positives(logits, offset, float('-inf'))
-
-
-def _softmax_(logits, lse):
-    """The logits' softmax rows, in place, from their log-sum-exp; a row whose logits are all −inf (lse −inf) gets
-    weights 0, not NaN."""
-    return logits.sub_(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]).exp_()
-
-
-def _row_statistics(shifted, inv_tau, log_w, offset, with_slope):
-    """(lse_i, Σ_j p_ij, Σ_j p_ij ℓ̂_ij) of every row of `shifted` [b, B], p_i the softmax of the row's logits over
-    its negatives. Σ_j p_ij is 1 up to rounding (0 for an all −inf row); backward uses the computed sum, so that each
-    row's gradient sums to exactly zero, as ℓ̂'s invariance to adding a constant to d's row says it must."""
-    logits = _negative_logits(shifted, inv_tau, log_w, offset)
-    lse = torch.logsumexp(logits, dim=1)
-    p = _softmax_(logits, lse)
-    weight = p.sum(dim=1)
-    # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (whatever the log-weights)
-    slope = (p * shifted).sum(dim=1) - shifted.diagonal(offset) * weight if with_slope else torch.zeros_like(lse)
-    return lse, weight, slope
-
-
-def _row_gradient(shifted, inv_tau, log_w, offset, lse, weight, upstream):
-    """(∂ Σ_i upstream_i log g_i / ∂d off the positives [b, B] (0 at them), the positives' entries [b]):
-    upstream_i inv_tau_i p_ij, and −upstream_i inv_tau_i Σ_j p_ij at the positive, whose d_ii every ℓ̂_ij subtracts."""
-    scale = upstream * inv_tau
-    p = _softmax_(_negative_logits(shifted, inv_tau, log_w, offset), lse)
-    return p.mul_(scale[:, None]), -scale * weight
-
+# ---- the call sites compiled on CUDA: the passes over d's rows, and over its columns when one process holds all ----
 
 def _statistics(shifted, rows, columns, offset, with_slope):
-    """`_row_statistics` of the rows of d, and of its columns when `columns` is given (inv_tau, log_w of the
+    """`row_statistics` of the rows of d, and of its columns when `columns` is given (inv_tau, log_w of the
     candidates' side: one process holds the whole batch, offset 0)."""
-    stats = _row_statistics(shifted, *rows, offset, with_slope)
+    stats = passes.row_statistics(shifted, *rows, offset, None, with_slope)
     if columns is None:
         return stats
-    return stats + _row_statistics(shifted.T, *columns, 0, with_slope)
+    return stats + passes.row_statistics(shifted.T, *columns, 0, None, with_slope)
 
 
 def _gradient(shifted, rows, columns, offset, dtype):
     """∂/∂d of Σ upstream·log g over the rows (and columns) of d, in `dtype`, the features' (the products with the
-    features read it). `rows`, `columns`: (inv_tau, log_w, lse, weight, upstream) of each side."""
-    grad, positive = _row_gradient(shifted, *rows[:2], offset, *rows[2:])
+    features read it). `rows`, `columns`: (inv_tau, log_w, lse, weight, upstream) of each side; a positive d_ii,
+    which every ℓ̂_ij of its row subtracts, gets −upstream_i inv_tau_i Σ_j p_ij."""
+    inv_tau, log_w, lse, weight, upstream = rows
+    scale = upstream * inv_tau
+    grad = passes.row_gradient(shifted, inv_tau, log_w, offset, None, lse, scale)
+    positive = -scale * weight
     if columns is not None:
-        grad_columns, positive_columns = _row_gradient(shifted.T, *columns[:2], 0, *columns[2:])
-        grad, positive = grad.add_(grad_columns.T), positive + positive_columns
-    return _set_positives(grad, offset, positive).to(dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(fn):
-    # not fullgraph: a process that calls with more configurations than dynamo's recompile limit (a benchmark of
-    # every loss, not a training run) then runs the rest eagerly instead of failing; sizes become dynamic after
-    # the first change, so a run's shapes compile at most twice
-    return torch.compile(fn)
-
-
-def _fused(fn, shifted):
-    """`fn` as the device runs it best: compiled by TorchInductor on CUDA (a pass over the b×B matrix per
-    reduction or elementwise chain, instead of one per operation; `TORCH_COMPILE_DISABLE=1` turns it off), eager
-    elsewhere (the CPU's own kernels, no compiler needed)."""
-    return _compiled(fn) if shifted.is_cuda else fn
+        inv_tau, log_w, lse, weight, upstream = columns
+        scale = upstream * inv_tau
+        grad.add_(passes.row_gradient(shifted.T, inv_tau, log_w, 0, None, lse, scale).T)
+        positive = positive - scale * weight
+    return passes.set_positives(grad, offset, positive).to(dtype)
 
 
 # ---- the aggregation ------------------------------------------------------------------------------------------------
@@ -156,13 +91,13 @@ class _DenseLogMeanExp(torch.autograd.Function):
             log_w = log_w_columns = None
             if negative_log_weight is not None:  # from the raw similarities: without the shift, d itself
                 sim = shifted if ref_anchors is None else product(anchors, candidates.T)
-                log_w = negative_log_weight(sim, positive_mask(*sim.shape, offset, sim.device))
+                log_w = negative_log_weight(sim, passes.positive_mask(*sim.shape, offset, sim.device))
                 if inv_tau_columns is not None:
-                    log_w_columns = negative_log_weight(sim.T, positive_mask(*sim.T.shape, 0, sim.device))
+                    log_w_columns = negative_log_weight(sim.T, passes.positive_mask(*sim.T.shape, 0, sim.device))
                 del sim
             rows = (inv_tau, log_w)
             columns = None if inv_tau_columns is None else (inv_tau_columns, log_w_columns)
-            stats = _fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope)
+            stats = passes.fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope)
         ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats)
         ctx.rows, ctx.columns, ctx.offset = rows, columns, offset
         log_mean = math.log(shifted.shape[1] - 1)
@@ -178,19 +113,13 @@ class _DenseLogMeanExp(torch.autograd.Function):
         anchors, candidates, ref_anchors, ref_candidates, shifted, *stats = ctx.saved_tensors
         rows = (*ctx.rows, *stats[:2], upstream)
         columns = None if ctx.columns is None else (*ctx.columns, *stats[3:5], upstream_columns)
-        grad = _fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype)
+        grad = passes.fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype)
         needs = ctx.needs_input_grad
         grads = (product(grad, candidates).to(anchors.dtype) if needs[0] else None,
                  product(grad.T, anchors).to(candidates.dtype) if needs[1] else None,
                  (-product(grad, ref_candidates)).to(ref_anchors.dtype) if needs[2] else None,
                  (-product(grad.T, ref_anchors)).to(ref_candidates.dtype) if needs[3] else None)
         return (*grads, None, None, None, None, None)
-
-
-def _per_row(inv_tau, features: torch.Tensor) -> torch.Tensor:
-    """1/τ (a scalar or [b]) as one constant per anchor, in the elementwise dtype of `features`."""
-    inv_tau = torch.as_tensor(inv_tau, dtype=elementwise_dtype(features.dtype), device=features.device)
-    return inv_tau.detach().expand(features.shape[0]).contiguous()
 
 
 def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
@@ -200,8 +129,8 @@ def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, re
     reference features. Differentiable in the features and `inv_tau` (a scalar or a [b] tensor)."""
     with autocast_disabled(anchors.device):
         log_g, slope, _, _ = _DenseLogMeanExp.apply(
-            anchors, candidates, ref_anchors, ref_candidates, _per_row(inv_tau, anchors), None, negative_log_weight,
-            offset, torch.is_tensor(inv_tau) and inv_tau.requires_grad)
+            anchors, candidates, ref_anchors, ref_candidates, passes.per_row(inv_tau, anchors), None,
+            negative_log_weight, offset, torch.is_tensor(inv_tau) and inv_tau.requires_grad)
         return linear_in_inv_tau(log_g, slope, inv_tau)
 
 
@@ -219,7 +148,7 @@ def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
     with autocast_disabled(image.device):
         with_slope = inv_tau_image.requires_grad or inv_tau_text.requires_grad
         log_g_image, slope_image, log_g_text, slope_text = _DenseLogMeanExp.apply(
-            image, text, ref_image, ref_text, _per_row(inv_tau_image, image), _per_row(inv_tau_text, text),
+            image, text, ref_image, ref_text, passes.per_row(inv_tau_image, image), passes.per_row(inv_tau_text, text),
             negative_log_weight, offset, with_slope)
         return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image),
                 linear_in_inv_tau(log_g_text, slope_text, inv_tau_text))

@@ -5,14 +5,15 @@ loss needs O(b·B) memory: at a global batch of 65 536 on one device that is 16 
 float32 matrix. The function here computes the same value and the same gradients while never holding more than a
 b×T block of any pairwise matrix (T = `tile_size` columns):
 
-- forward: a streaming (online) log-sum-exp over column tiles of the candidates, with a running row maximum and a
-  running rescaled sum, as in FlashAttention. Only the [b] results and the inputs are kept for backward.
-- backward: every tile is recomputed and its softmax weights p_ij = exp(logit_ij − lse_i) (times the upstream
-  gradient) are turned into the tile's contribution to the gradients of the anchors, of the candidates and, should
-  they require it, of the reference features. The derivative in `inv_tau` (scalar or per row), Σ_j p_ij ℓ̂_ij, is
-  accumulated in the forward pass when `inv_tau` requires a gradient (`dense.linear_in_inv_tau`).
+- forward: every b×T tile of d goes through the same passes as the untiled aggregation (`passes.py`: compiled on
+  CUDA, eager elsewhere), and its row statistics (log-sum-exp, Σ_j p_ij, the τ-slope Σ_j p_ij ℓ̂_ij) are merged into
+  the running ones as a streaming log-sum-exp does (FlashAttention's online softmax). Only [b] statistics and the
+  inputs are kept for backward.
+- backward: every tile is recomputed and its gradient, the softmax of the whole row times the upstream gradient,
+  is turned into the tile's contribution to the gradients of the anchors, of the candidates and, should they
+  require it, of the reference features.
 
-Memory is O((b + B)·d + b·T); the arithmetic is the untiled one plus one recomputation of the similarities.
+Memory is O((b + B)·d + b·T); the arithmetic is the untiled one plus one recomputation of d.
 
 Use it with the core:
 
@@ -40,6 +41,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import passes
 from .dense import linear_in_inv_tau
 from .precision import autocast_disabled, elementwise_dtype, product, without_autocast
 
@@ -108,54 +110,66 @@ def _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candida
                          f"match anchors {tuple(anchors.shape)} / candidates {tuple(candidates.shape)}")
 
 
-class _TiledLogMeanExpRows(torch.autograd.Function):
+def _shift_factors(anchors, candidates, ref_anchors, ref_candidates):
+    """(left, right) with d = left·rightᵀ: the features, or with the reference shift [x, x^ref] and [y, −y^ref], so
+    that d_ij = s_ij − s^ref_ij is one product per tile."""
+    if ref_anchors is None:
+        return anchors, candidates
+    return torch.cat([anchors, ref_anchors], 1), torch.cat([candidates, -ref_candidates], 1)
 
-    @staticmethod
-    def _tile_logits(a, c_tile, inv_tau_col, s_pos, ref_a, rc_tile, r_pos, c0, offset, log_weight, keep_ell,
-                     keep_log_w=False):
-        """The tile's logits ℓ̂_ij·inv_tau_i + log w_ij (positives at −inf); ℓ̂_ij too if `keep_ell`, and
-        the log-weights (positives at −inf) if `keep_log_w`."""
-        sim = product(a, c_tile.T)
-        b, t = sim.shape
-        # anchor i's positive, candidate offset + i, is the tile's column i + offset − c0: a diagonal of the block
-        # (empty when the tile holds no positives), set without indices or a host round trip
-        positives = offset - c0
+
+def _positives(left, right, offset):
+    """d_ii [b] of every anchor and its positive (candidate offset + i), in the elementwise dtype."""
+    dtype = elementwise_dtype(left.dtype)
+    return (left.to(dtype) * right[offset:offset + left.shape[0]].to(dtype)).sum(1)
+
+
+def _tiles(left, right, anchors, candidates, offset, tile_size, log_weight):
+    """(first column, d's tile [b, T] in float32 or wider, its log-weights h or None) of every column tile; h from
+    the tile's raw similarities (detached) and its slice of the positive mask."""
+    for c0 in range(0, right.shape[0], tile_size):
+        c1 = min(c0 + tile_size, right.shape[0])
+        tile = product(left, right[c0:c1].T)
         log_w = None
         if log_weight is not None:
-            mask = torch.zeros(b, t, dtype=torch.bool, device=a.device)
-            mask.diagonal(positives).fill_(True)
-            log_w = log_weight(sim, mask).to(sim.dtype).expand(b, t)  # a broadcastable result is fine
-            ell = sim - s_pos[:, None]   # not in place: log_w may be a view of sim
-        else:
-            ell = sim.sub_(s_pos[:, None])
-        del sim
-        if ref_a is not None:
-            ref_sim = product(ref_a, rc_tile.T)
-            ref_sim.sub_(r_pos[:, None])
-            ell.sub_(ref_sim)
-            del ref_sim
-        logits = ell * inv_tau_col if keep_ell else ell.mul_(inv_tau_col)
-        if log_w is not None:
-            logits.add_(log_w)
-            if keep_log_w:  # a copy of its own: log_w may be an expanded view of anything
-                log_w = torch.empty_like(logits).copy_(log_w)
-                log_w.diagonal(positives).fill_(float('-inf'))
-            else:
-                log_w = None
-        logits.diagonal(positives).fill_(float('-inf'))
-        return logits, (ell if keep_ell else None), log_w
+            sim = tile if left is anchors else product(anchors, candidates[c0:c1].T)
+            log_w = log_weight(sim, passes.positive_mask(tile.shape[0], c1 - c0, offset - c0, tile.device))
+            log_w = log_w.to(tile.dtype).expand_as(tile)  # a broadcastable result is fine
+        yield c0, tile, log_w
+
+
+def _tile_gradient(tile, inv_tau, log_w, offset, positive, lse, scale, dtype):
+    """The tile's ∂/∂d over its negatives in `dtype`, the features' (for the products with them)."""
+    return passes.row_gradient(tile, inv_tau, log_w, offset, positive, lse, scale).to(dtype)
+
+
+class _TiledLogMeanExpRows(torch.autograd.Function):
+    """(log g, τ-slope) of the anchors over the candidates, one column tile at a time (the module docstring). 1/τ is
+    one constant per anchor ([b]); the slope is computed only `with_slope` (zeros otherwise) and not differentiable:
+    `linear_in_inv_tau` puts the dependence on τ back."""
 
     @staticmethod
-    def forward(ctx, anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size,
+    def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, inv_tau, offset, tile_size,
                 negative_log_weight, with_slope):
+        normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
+        log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
         with autocast_disabled(anchors.device):
-            out, lse, s_pos, r_pos, slope = _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates,
-                                                         offset, tile_size, negative_log_weight,
-                                                         accumulate_dot='slope' if with_slope else None)
-        log_weight = negative_log_weight
-        if isinstance(negative_log_weight, RowNormalizedLogWeight):
-            log_weight = negative_log_weight.log_weight  # its normaliser is a constant of the graph
-        ctx.save_for_backward(anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse)
+            left, right = _shift_factors(anchors, candidates, ref_anchors, ref_candidates)
+            positive = _positives(left, right, offset)
+            stats = normalizer = None
+            for c0, tile, log_w in _tiles(left, right, anchors, candidates, offset, tile_size, log_weight):
+                tile_stats = passes.fused(passes.row_statistics, tile)(tile, inv_tau, log_w, offset - c0, positive,
+                                                                       with_slope)
+                stats = tile_stats if stats is None else passes.merge(stats, tile_stats)
+                if normalize:  # log Σ_{j≠i} exp h_ij: the normaliser is a constant of the graph
+                    mask = passes.positive_mask(*tile.shape, offset - c0, tile.device)
+                    tile_normalizer = torch.logsumexp(log_w.masked_fill(mask, float('-inf')), dim=1)
+                    normalizer = tile_normalizer if normalizer is None else torch.logaddexp(normalizer,
+                                                                                            tile_normalizer)
+        lse, weight, slope = stats
+        # log mean_{j≠i} w̄_ij exp(ℓ̂_ij/τ_i) with w̄ = exp(h)/mean exp(h) is log Σ exp(ℓ̂/τ + h) − log Σ exp(h)
+        out = lse - normalizer if normalize else lse - math.log(candidates.shape[0] - 1)
+        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, inv_tau, positive, lse, weight)
         ctx.offset, ctx.tile_size, ctx.log_weight = offset, tile_size, log_weight
         ctx.mark_non_differentiable(slope)
         return out, slope
@@ -163,15 +177,11 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, grad_out, _grad_slope):
-        anchors, candidates, inv_tau, ref_anchors, ref_candidates, s_pos, r_pos, lse = ctx.saved_tensors
-        offset, tile_size, log_weight = ctx.offset, ctx.tile_size, ctx.log_weight
-        need_a, need_c, _, need_ra, need_rc = ctx.needs_input_grad[:5]
+    def backward(ctx, upstream, _slope):
+        anchors, candidates, ref_anchors, ref_candidates, inv_tau, positive, lse, weight = ctx.saved_tensors
+        offset, tile_size = ctx.offset, ctx.tile_size
+        need_a, need_c, need_ra, need_rc = ctx.needs_input_grad[:4]
         dtype = elementwise_dtype(anchors.dtype)
-        b, num_candidates = anchors.shape[0], candidates.shape[0]
-        inv_tau_col = inv_tau.to(dtype).reshape(-1, 1)
-        grad_out = grad_out.to(dtype)
-        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[:, None]
 
         def zeros(like):  # gradients accumulate in the elementwise dtype, whatever the features'
             return torch.zeros(like.shape, dtype=dtype, device=like.device)
@@ -180,35 +190,26 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         grad_c = zeros(candidates) if need_c else None
         grad_ra = zeros(ref_anchors) if need_ra else None
         grad_rc = zeros(ref_candidates) if need_rc else None
-        weight_rows = torch.zeros(b, dtype=dtype, device=anchors.device)  # Σ_j w_ij, for the positive term
-
-        for c0 in range(0, num_candidates, tile_size):
-            c1 = min(c0 + tile_size, num_candidates)
-            c_tile = candidates[c0:c1]
-            rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
-            logits, _, _ = _TiledLogMeanExpRows._tile_logits(
-                anchors, c_tile, inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset, log_weight,
-                keep_ell=False)
-            # w_ij = ∂out_i/∂logit_ij · grad_out_i (0 at the positive); the normaliser of
-            # RowNormalizedLogWeight is a constant, so the softmax is the same either way
-            w = logits.sub_(lse_safe).exp_().mul_(grad_out[:, None])
-            del logits
-            weight_rows += w.sum(1)
-            g = w.mul_(inv_tau_col)  # ∂/∂s_ij of out_i for j ≠ positive (in place: w is no longer needed)
+        scale = upstream.to(dtype) * inv_tau
+        left, right = _shift_factors(anchors, candidates, ref_anchors, ref_candidates)
+        for c0, tile, log_w in _tiles(left, right, anchors, candidates, offset, tile_size, ctx.log_weight):
+            c1 = c0 + tile.shape[1]
+            g = passes.fused(_tile_gradient, tile)(tile, inv_tau, log_w, offset - c0, positive, lse, scale,
+                                                    anchors.dtype)
             # the products with the features run in the features' dtype (16-bit: on the tensor cores)
             if need_a:
-                grad_a += product(g.to(c_tile.dtype), c_tile)
+                grad_a += product(g, candidates[c0:c1])
             if need_c:
-                grad_c[c0:c1] = product(g.T.to(anchors.dtype), anchors)
+                grad_c[c0:c1] = product(g.T, anchors)
             if need_ra:
-                grad_ra -= product(g.to(rc_tile.dtype), rc_tile)
+                grad_ra -= product(g, ref_candidates[c0:c1])
             if need_rc:
-                grad_rc[c0:c1] = -product(g.T.to(ref_anchors.dtype), ref_anchors)
-            del g
+                grad_rc[c0:c1] = -product(g.T, ref_anchors)
+            del tile, log_w, g
 
-        # ℓ̂_ij subtracts s_ii (and adds s^ref_ii) for every j: those terms receive −inv_tau_i Σ_j w_ij (resp. +)
-        coef = (inv_tau_col * weight_rows[:, None])
-        pos = slice(offset, offset + b)
+        # ℓ̂_ij subtracts d_ii = s_ii − s^ref_ii for every j: those terms receive −scale_i Σ_j p_ij
+        coef = (scale * weight)[:, None]
+        pos = slice(offset, offset + anchors.shape[0])
         if need_a:
             grad_a.sub_(coef * candidates[pos])
         if need_c:
@@ -220,63 +221,7 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         grads = [grad if grad is None else grad.to(like.dtype)
                  for grad, like in zip((grad_a, grad_c, grad_ra, grad_rc),
                                        (anchors, candidates, ref_anchors, ref_candidates))]
-        return grads[0], grads[1], None, grads[2], grads[3], None, None, None, None
-
-
-def _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, offset, tile_size, negative_log_weight,
-                 accumulate_dot=None):
-    """One streaming pass over the column tiles: (log g, log Σ_{j≠i} exp(logit_ij), s_ii, s^ref_ii, slope) of every
-    row, p being the row's softmax over its negatives; `accumulate_dot` 'slope': slope_i = Σ_j p_ij ℓ̂_ij (= ∂ log
-    g_i/∂inv_tau_i; empty otherwise); 'entropy': only the entropy −Σ_j p_ij log p_ij of every row."""
-    dtype = elementwise_dtype(anchors.dtype)
-    b, num_candidates = anchors.shape[0], candidates.shape[0]
-    normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
-    log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
-    inv_tau_col = inv_tau.detach().to(dtype).reshape(-1, 1)  # [b, 1] or [1, 1]
-    s_pos = (anchors.to(dtype) * candidates[offset:offset + b].to(dtype)).sum(1)
-    r_pos = None
-    if ref_anchors is not None:
-        r_pos = (ref_anchors.to(dtype) * ref_candidates[offset:offset + b].to(dtype)).sum(1)
-    # running max m and running sum Σ exp(logit − m) of every row, and the same for h when normalising; for the
-    # entropy the running Σ exp(logit − m)·logit as well, for the slope Σ exp(logit − m)·ℓ̂
-    run_max = torch.full((b,), float('-inf'), dtype=dtype, device=anchors.device)
-    run_sum = torch.zeros(b, dtype=dtype, device=anchors.device)
-    w_max, w_sum, run_dot = run_max.clone(), run_sum.clone(), run_sum.clone()
-
-    def accumulate(m, s, x, dot=None, values=None):
-        m_new = torch.maximum(m, x.max(dim=1).values)
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all −inf so far: no NaN
-        rescale = torch.exp(m - m_safe)
-        e = torch.exp(x - m_safe[:, None])
-        s = s * rescale + e.sum(1)
-        if dot is not None:
-            if values is None:  # the positive's e is 0 and its logit −inf: leave it out of the product
-                values = torch.where(e > 0, x, torch.zeros_like(x))
-            dot = dot * rescale + (e * values).sum(1)
-        return m_new, s, dot
-
-    for c0 in range(0, num_candidates, tile_size):
-        c1 = min(c0 + tile_size, num_candidates)
-        rc_tile = ref_candidates[c0:c1] if ref_candidates is not None else None
-        logits, ell, log_w = _TiledLogMeanExpRows._tile_logits(
-            anchors, candidates[c0:c1], inv_tau_col, s_pos, ref_anchors, rc_tile, r_pos, c0, offset,
-            log_weight, keep_ell=accumulate_dot == 'slope', keep_log_w=normalize)
-        run_max, run_sum, run_dot = accumulate(run_max, run_sum, logits, run_dot if accumulate_dot else None, ell)
-        if normalize:
-            w_max, w_sum, _ = accumulate(w_max, w_sum, log_w)
-        del logits, ell, log_w
-    lse = run_max + torch.log(run_sum)  # log Σ_{j≠i} exp(logit_ij): what backward's softmax needs
-    if normalize:
-        out = lse - (w_max + torch.log(w_sum))
-    else:
-        out = lse - math.log(num_candidates - 1)
-    if accumulate_dot == 'entropy':
-        # H_i = lse_i − Σ_j p_ij logit_ij; normalising h shifts every logit of a row alike, which leaves H unchanged
-        return lse - run_dot / run_sum
-    slope = lse.new_empty(0)
-    if accumulate_dot == 'slope':  # a row with no weight anywhere has no slope
-        slope = torch.where(run_sum > 0, run_dot / run_sum, torch.zeros_like(run_sum))
-    return out, lse, s_pos, r_pos, slope
+        return (*grads, None, None, None, None, None)
 
 
 def tiled_log_mean_exp_rows(
@@ -301,8 +246,9 @@ def tiled_log_mean_exp_rows(
     """
     inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
     _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
-    log_g, slope = _TiledLogMeanExpRows.apply(anchors, candidates, inv_tau.detach(), ref_anchors, ref_candidates,
-                                              int(offset), tile_size, negative_log_weight, inv_tau.requires_grad)
+    log_g, slope = _TiledLogMeanExpRows.apply(anchors, candidates, ref_anchors, ref_candidates,
+                                              passes.per_row(inv_tau, anchors), int(offset), tile_size,
+                                              negative_log_weight, inv_tau.requires_grad)
     return linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
 
 
@@ -330,6 +276,15 @@ def negative_weight_entropy(anchors, candidates, offset, inv_tau, ref_anchors=No
     number of negatives. One streaming pass, memory linear in the batch, whichever aggregation the loss uses."""
     inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
     _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
+    # normalising h shifts every logit of a row alike, which leaves the entropy unchanged: h itself serves
+    log_weight = getattr(negative_log_weight, 'log_weight', negative_log_weight)
+    inv_tau = passes.per_row(inv_tau, anchors)
     with autocast_disabled(anchors.device):
-        return _stream_rows(anchors, candidates, inv_tau, ref_anchors, ref_candidates, int(offset), tile_size,
-                            negative_log_weight, accumulate_dot='entropy')
+        left, right = _shift_factors(anchors, candidates, ref_anchors, ref_candidates)
+        positive = _positives(left, right, offset)
+        stats = None
+        for c0, tile, log_w in _tiles(left, right, anchors, candidates, offset, tile_size, log_weight):
+            tile_stats = passes.row_entropy_statistics(tile, inv_tau, log_w, offset - c0, positive)
+            stats = tile_stats if stats is None else passes.merge(stats, tile_stats)
+    lse, mean_logit = stats
+    return lse - mean_logit

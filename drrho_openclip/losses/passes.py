@@ -1,0 +1,116 @@
+"""The passes over a block of the pairwise matrix that both aggregations run, `dense.py` on a whole b×B row block and
+`tiled.py` on its b×T column tiles.
+
+A block holds d_ij = s_ij − s^ref_ij (or s_ij without a reference) of b anchors and some candidates; anchor i's
+positive sits at column offset + i of the block, which may lie outside it (a tile without the positives). Its logits
+are ℓ̂_ij·inv_tau_i [+ log w_ij], ℓ̂_ij = d_ij − d_ii, −inf at the positive; p_i is their softmax over the negatives.
+
+These are plain torch functions: on CUDA, TorchInductor compiles each call site (`fused`) into a few kernels that
+stream the block (a reduction pass forward, one pass backward) instead of one kernel per operation, each reading and
+writing a b×B float32 matrix; on the CPU they run eagerly, in place where they can.
+"""
+import functools
+
+import torch
+
+from .precision import elementwise_dtype
+
+
+def per_row(inv_tau, features: torch.Tensor) -> torch.Tensor:
+    """1/τ (a number, 0-dim, [1] or [b]) as one constant per anchor [b], detached, in the elementwise dtype of
+    `features`."""
+    inv_tau = torch.as_tensor(inv_tau, dtype=elementwise_dtype(features.dtype), device=features.device)
+    return inv_tau.detach().expand(features.shape[0]).contiguous()
+
+
+def positive_mask(num_anchors: int, num_candidates: int, offset: int, device) -> torch.Tensor:
+    """[b, T] boolean mask of each anchor's own pair, which sits at column offset + i (a comparison of indices,
+    which a compiled pass computes in its kernel instead of reading a b×T tensor; no column when it lies outside)."""
+    rows = torch.arange(num_anchors, device=device)[:, None]
+    return torch.arange(num_candidates, device=device) == rows + offset
+
+
+def set_positives(block: torch.Tensor, offset: int, value) -> torch.Tensor:
+    """`block` [b, T] with `value` (a number, or one per row [b]) at each anchor's positive, column offset + i.
+    Compiled, a `where` on the index comparison, which the kernel evaluates as it streams the block; eager, the
+    entries written in place (a b×T mask and a copy would be two more passes over the block on the CPU)."""
+    if torch.compiler.is_compiling():
+        value = value[:, None] if torch.is_tensor(value) else value
+        return torch.where(positive_mask(*block.shape, offset, block.device), value, block)
+    positives = block.diagonal(offset)
+    positives.copy_(value) if torch.is_tensor(value) else positives.fill_(value)
+    return block
+
+
+def negative_logits(block, inv_tau, log_w, offset, positive):
+    """[b, T] ℓ̂_ij·inv_tau_i (+ log w_ij), −inf at the positives. `positive`: d_ii [b], or None when the positives
+    are in the block (its diagonal at `offset`)."""
+    positive = block.diagonal(offset) if positive is None else positive
+    logits = torch.addcmul((-positive * inv_tau)[:, None], block, inv_tau[:, None])
+    if log_w is not None:
+        logits += log_w
+    return set_positives(logits, offset, float('-inf'))
+
+
+def safe_lse(lse):
+    """A row's log-sum-exp where it is finite, 0 where the row has no weight at all (all −inf): subtracting it then
+    gives weights 0, not NaN."""
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def softmax_(logits, lse):
+    """The logits' softmax rows, in place, given their log-sum-exp (of these logits, or of the whole row a tile is
+    part of)."""
+    return logits.sub_(safe_lse(lse)[:, None]).exp_()
+
+
+def row_statistics(block, inv_tau, log_w, offset, positive, with_slope):
+    """(lse_i, Σ_j p_ij, Σ_j p_ij ℓ̂_ij) of every row of the block, p_i the softmax of its logits. Σ_j p_ij is 1 up to
+    rounding (0 for an all −inf row); backward uses the computed sum, so that each row's gradient sums to zero, as
+    ℓ̂'s invariance to adding a constant to d's row says it must. The slope only `with_slope` (zeros otherwise)."""
+    logits = negative_logits(block, inv_tau, log_w, offset, positive)
+    lse = torch.logsumexp(logits, dim=1)
+    p = softmax_(logits, lse)
+    weight = p.sum(dim=1)
+    if not with_slope:
+        return lse, weight, torch.zeros_like(lse)
+    # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (whatever the log-weights)
+    positive = block.diagonal(offset) if positive is None else positive
+    return lse, weight, p.mul_(block).sum(dim=1) - positive * weight
+
+
+def row_entropy_statistics(block, inv_tau, log_w, offset, positive):
+    """(lse_i, Σ_j p_ij logit_ij) of every row: its entropy is lse − Σ_j p_ij logit_ij."""
+    logits = negative_logits(block, inv_tau, log_w, offset, positive)
+    lse = torch.logsumexp(logits, dim=1)
+    finite = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))  # p is 0 where logits are −inf
+    return lse, (softmax_(logits, lse) * finite).sum(dim=1)
+
+
+def row_gradient(block, inv_tau, log_w, offset, positive, lse, scale):
+    """∂ Σ_i upstream_i log g_i / ∂d over the block's negatives, scale_i = upstream_i·inv_tau_i: scale_i p_ij, 0 at
+    the positives (whose entry, −scale_i Σ_j p_ij over the whole row, the caller adds). `lse` is the whole row's."""
+    return softmax_(negative_logits(block, inv_tau, log_w, offset, positive), lse).mul_(scale[:, None])
+
+
+def merge(total, part):
+    """The running (lse, Σ p·x, ...) of every row over the tiles so far, and one more tile's: the same of both, the
+    sums re-weighted to the joint softmax (each tile's p is its own softmax: p_joint = p_tile·exp(lse_tile − lse))."""
+    lse = torch.logaddexp(total[0], part[0])
+    to_joint = [torch.exp(stats[0] - safe_lse(lse)) for stats in (total, part)]
+    return (lse, *(a * to_joint[0] + b * to_joint[1] for a, b in zip(total[1:], part[1:])))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    # not fullgraph: a process that calls with more configurations than dynamo's recompile limit (a benchmark of
+    # every loss, not a training run) then runs the rest eagerly instead of failing; sizes become dynamic after
+    # the first change, so a run's shapes compile at most twice
+    return torch.compile(fn)
+
+
+def fused(fn, block):
+    """`fn` as the device runs it best: compiled by TorchInductor on CUDA (a pass over the block per reduction or
+    elementwise chain, instead of one per operation; `TORCH_COMPILE_DISABLE=1` turns it off), eager elsewhere (the
+    CPU's own kernels, no compiler needed)."""
+    return _compiled(fn) if block.is_cuda else fn
