@@ -399,3 +399,17 @@ def test_tiling_is_chosen_from_the_pairs_a_rank_holds():
     assert auto_tile_size(2048, 16384) == 0                    # 8 ranks share that batch: 128 MiB per matrix
     assert auto_tile_size(4096, 4096) == 0
     assert auto_tile_size(8192, 65536) == DEFAULT_TILE_SIZE
+
+
+def test_on_a_gpu_tiling_is_chosen_from_its_memory(monkeypatch):
+    """On a GPU the untiled core is kept (it is the faster one) while its matrices take at most a quarter of the
+    device's memory."""
+    from types import SimpleNamespace
+    from drrho_openclip.openclip.model import auto_tile_size
+    gpu, gib = torch.device('cuda', 0), 1 << 30
+    monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda device: SimpleNamespace(total_memory=80 * gib))
+    assert auto_tile_size(32768, 32768, gpu) == 0                   # 14 GiB of 80: untiled, where the CPU tiles
+    assert auto_tile_size(49152, 49152, gpu) == DEFAULT_TILE_SIZE   # 31.5 GiB: more than a quarter
+    assert auto_tile_size(8192, 65536, gpu) == 0                    # 8 ranks share that batch: 7 GiB per rank
+    monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda device: SimpleNamespace(total_memory=24 * gib))
+    assert auto_tile_size(32768, 32768, gpu) == DEFAULT_TILE_SIZE

@@ -81,8 +81,9 @@ OPTION_HELP = dict(
     selection_ratio="fraction of the super-batch JEST keeps",
     num_chunks="number of chunks JEST draws its selection in",
     tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled; "
-              "default: 1024-column tiles once a rank's local x global batch reaches 2^28 pairs, e.g. one process "
-              "at 16384, where the untiled matrices take gigabytes)",
+              "default: untiled while its matrices, about 14 bytes per local x global pair, take at most a quarter "
+              "of the GPU's memory, e.g. one process up to a batch of about 39k on an 80 GB GPU, or off a GPU below "
+              "2^28 pairs, one process below 16384; 1024-column tiles beyond)",
     state_layout="where the per-sample tables (u, per-sample τ and its Adam moments) live: 'replicated' (all N rows on "
                  "every rank) or 'sharded' (each rank holds N/W rows and saves them in per-rank files next to the "
                  "checkpoint); 'auto': sharded from 4M samples with several ranks",

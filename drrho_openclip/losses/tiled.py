@@ -110,26 +110,30 @@ def _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candida
                          f"match anchors {tuple(anchors.shape)} / candidates {tuple(candidates.shape)}")
 
 
-def _shift_factors(anchors, candidates, ref_anchors, ref_candidates):
-    """(left, right) with d = left·rightᵀ: the features, or with the reference shift [x, x^ref] and [y, −y^ref], so
-    that d_ij = s_ij − s^ref_ij is one product per tile."""
-    if ref_anchors is None:
-        return anchors, candidates
-    return torch.cat([anchors, ref_anchors], 1), torch.cat([candidates, -ref_candidates], 1)
+def _shifted_anchors(anchors, ref_anchors):
+    """The left factor of d = left·rightᵀ: the anchors, or [x, x^ref] with the reference shift, so that
+    d_ij = s_ij − s^ref_ij is one product per tile (the right factor [y, −y^ref] is built per tile: `_tiles`)."""
+    return anchors if ref_anchors is None else torch.cat([anchors, ref_anchors], 1)
 
 
-def _positives(left, right, offset):
+def _shifted_candidates(candidates, ref_candidates, start, stop):
+    return candidates[start:stop] if ref_candidates is None else \
+        torch.cat([candidates[start:stop], -ref_candidates[start:stop]], 1)
+
+
+def _positives(left, candidates, ref_candidates, offset):
     """d_ii [b] of every anchor and its positive (candidate offset + i), in the elementwise dtype."""
     dtype = elementwise_dtype(left.dtype)
-    return (left.to(dtype) * right[offset:offset + left.shape[0]].to(dtype)).sum(1)
+    right = _shifted_candidates(candidates, ref_candidates, offset, offset + left.shape[0])
+    return (left.to(dtype) * right.to(dtype)).sum(1)
 
 
-def _tiles(left, right, anchors, candidates, offset, tile_size, log_weight):
+def _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
     """(first column, d's tile [b, T] in float32 or wider, its log-weights h or None) of every column tile; h from
     the tile's raw similarities (detached) and its slice of the positive mask."""
-    for c0 in range(0, right.shape[0], tile_size):
-        c1 = min(c0 + tile_size, right.shape[0])
-        tile = product(left, right[c0:c1].T)
+    for c0 in range(0, candidates.shape[0], tile_size):
+        c1 = min(c0 + tile_size, candidates.shape[0])
+        tile = product(left, _shifted_candidates(candidates, ref_candidates, c0, c1).T)
         log_w = None
         if log_weight is not None:
             sim = tile if left is anchors else product(anchors, candidates[c0:c1].T)
@@ -154,10 +158,10 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
         log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
         with autocast_disabled(anchors.device):
-            left, right = _shift_factors(anchors, candidates, ref_anchors, ref_candidates)
-            positive = _positives(left, right, offset)
+            left = _shifted_anchors(anchors, ref_anchors)
+            positive = _positives(left, candidates, ref_candidates, offset)
             stats = normalizer = None
-            for c0, tile, log_w in _tiles(left, right, anchors, candidates, offset, tile_size, log_weight):
+            for c0, tile, log_w in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
                 tile_stats = passes.fused(passes.row_statistics, tile)(tile, inv_tau, log_w, offset - c0, positive,
                                                                        with_slope)
                 stats = tile_stats if stats is None else passes.merge(stats, tile_stats)
@@ -191,8 +195,8 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         grad_ra = zeros(ref_anchors) if need_ra else None
         grad_rc = zeros(ref_candidates) if need_rc else None
         scale = upstream.to(dtype) * inv_tau
-        left, right = _shift_factors(anchors, candidates, ref_anchors, ref_candidates)
-        for c0, tile, log_w in _tiles(left, right, anchors, candidates, offset, tile_size, ctx.log_weight):
+        left = _shifted_anchors(anchors, ref_anchors)
+        for c0, tile, log_w in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, ctx.log_weight):
             c1 = c0 + tile.shape[1]
             g = passes.fused(_tile_gradient, tile)(tile, inv_tau, log_w, offset - c0, positive, lse, scale,
                                                     anchors.dtype)
@@ -280,10 +284,10 @@ def negative_weight_entropy(anchors, candidates, offset, inv_tau, ref_anchors=No
     log_weight = getattr(negative_log_weight, 'log_weight', negative_log_weight)
     inv_tau = passes.per_row(inv_tau, anchors)
     with autocast_disabled(anchors.device):
-        left, right = _shift_factors(anchors, candidates, ref_anchors, ref_candidates)
-        positive = _positives(left, right, offset)
+        left = _shifted_anchors(anchors, ref_anchors)
+        positive = _positives(left, candidates, ref_candidates, offset)
         stats = None
-        for c0, tile, log_w in _tiles(left, right, anchors, candidates, offset, tile_size, log_weight):
+        for c0, tile, log_w in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
             tile_stats = passes.row_entropy_statistics(tile, inv_tau, log_w, offset - c0, positive)
             stats = tile_stats if stats is None else passes.merge(stats, tile_stats)
     lse, mean_logit = stats

@@ -9,15 +9,25 @@ from ..losses import AUTO, DEFAULT_TILE_SIZE, LogitScaleTemperature, attach_to_m
 from .reference import OnlineReference
 from .run import Run
 
-# The untiled core holds a few b×B matrices per rank (b local, B global batch); the tiled one never more than b×T.
-# From `benchmarks/tiled_memory.py` (one process, 1 thread, 2-core CPU): at B = 16384 (2^28 pairs, 1 GiB per float32
-# matrix) untiled needs 5.0 GiB and 28 s, tiled 0.32 GiB and 46 s; at 4096, 0.31 vs 0.14 GiB and 1.1 vs 2.6 s. Tiling
-# costs time, so it is chosen only where the untiled matrices reach gigabytes.
+# The untiled core holds about three b×B matrices per rank at its peak (b local, B global batch; d in float32, the
+# softmax recomputed in backward, the gradient): measured 14 bytes per pair with float32 features on the CPU (223 MiB
+# at 4096²) and 7.5 with bf16 on an H200 (120 MiB; `benchmarks/overheads.py`). The tiled core never holds more than
+# b×T, but costs time (one more product per tile, smaller kernels: at one process and B = 16384 on the CPU, 1.65× the
+# untiled time), so it is chosen only where the untiled matrices would crowd the device: on a GPU once they would
+# take more than a quarter of its memory (an 80 GB GPU from one process at B ≈ 39k, an H200 at ≈ 52k; the model,
+# its activations and the optimiser need the rest), elsewhere from 2^28 pairs (3.5 GiB; one process at 16384).
+UNTILED_BYTES_PER_PAIR = 14
 AUTO_TILE_FROM_PAIRS = 1 << 28
 
 
-def auto_tile_size(local_batch: int, global_batch: int) -> int:
-    return DEFAULT_TILE_SIZE if local_batch * global_batch >= AUTO_TILE_FROM_PAIRS else 0
+def auto_tile_size(local_batch: int, global_batch: int, device: torch.device = torch.device('cpu')) -> int:
+    """The tile size the run uses unless `--tile-size` is given: 0 (untiled) while the untiled matrices fit."""
+    pairs = local_batch * global_batch
+    if device.type == 'cuda':
+        fits = pairs * UNTILED_BYTES_PER_PAIR <= torch.cuda.get_device_properties(device).total_memory / 4
+    else:
+        fits = pairs < AUTO_TILE_FROM_PAIRS
+    return 0 if fits else DEFAULT_TILE_SIZE
 
 
 def _uses_logit_scale(loss) -> bool:
@@ -37,7 +47,7 @@ def configure_model(run: Run, model, args):
     device = model.logit_scale.device
     options = dict(run.options)
     if options.get('tile_size', 0) is None:
-        options['tile_size'] = auto_tile_size(args.batch_size, args.batch_size * args.world_size)
+        options['tile_size'] = auto_tile_size(args.batch_size, args.batch_size * args.world_size, device)
     supplied = get_loss_spec(run.loss_name).run_options
     from_run = dict(num_samples=run.sample_index_size, rank=args.rank, world_size=args.world_size,
                     local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
