@@ -153,6 +153,26 @@ def test_one_similarity_matrix_serves_both_directions():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize('log_weight', [None, _elementwise_log_weight, RowNormalizedLogWeight(_elementwise_log_weight)])
+@pytest.mark.parametrize('tile_size', [1, 3, 7, B_CANDIDATES + 1])
+def test_one_pass_over_the_tiles_serves_both_directions(tile_size, log_weight):
+    """With the whole batch as anchors, a tile's columns are whole text rows: the tiled aggregation computes both
+    directions in one pass, equal to each direction computed apart (untiled), values and every gradient."""
+    image, text, inv_tau, ref_image, ref_text, _ = _inputs(19, 'per_row', True, b=B_CANDIDATES, ref_grad=True)
+    inv_tau_text = (inv_tau.detach().flip(0) * 0.7).requires_grad_()
+    reference = (ref_image, ref_text, ref_image, ref_text)
+    both = make_tiled_aggregate(tile_size)(image, text, image, text, 0, inv_tau, inv_tau_text, reference,
+                                           log_weight)
+    apart = (log_mean_exp_rows(image, text, 0, inv_tau, ref_image, ref_text, log_weight),
+             log_mean_exp_rows(text, image, 0, inv_tau_text, ref_text, ref_image, log_weight))
+    weights = torch.randn(2, B_CANDIDATES, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    wrt = (image, text, inv_tau, inv_tau_text, ref_image, ref_text)
+    grads_both = torch.autograd.grad((weights * torch.stack(both)).sum(), wrt)
+    grads_apart = torch.autograd.grad((weights * torch.stack(apart)).sum(), wrt)
+    for got, want in zip(both + grads_both, apart + grads_apart):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize('log_weight', [_elementwise_log_weight, _aliasing_log_weight, _constant_log_weight])
 @pytest.mark.parametrize('normalized', [False, True])
 @pytest.mark.parametrize('tile_size', [1, 3, 7, B_CANDIDATES + 1])

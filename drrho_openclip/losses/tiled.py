@@ -56,9 +56,12 @@ __all__ = [
 #   2 threads, global batch 8192, T = 128 / 256 / 512 / 1024 / 2048 / 4096:
 #     step 68 / 46 / 34 / 22.6 / 20.7 / 24.2 s,  peak 0.07 / 0.09 / 0.20 / 0.16 / 0.25 / 0.42 GiB
 #   1 thread,  global batch 4096, T = 256 / 1024 / 4096:  step 4.1 / 4.3 / 4.8 s,  peak 0.05 / 0.14 / 0.21 GiB
+#   1 thread, global batch 8192, both directions in one pass (tiled_memory_shared_passes.md), T = 512 / 1024 / 2048 /
+#     4096: step 4.0 / 4.5 / 4.8 / 5.2 s, peak 0.42 / 0.20 / 0.30 / 0.47 GiB
 # Small tiles pay a per-tile cost (~20 small kernels per tile, each an OpenMP region, which is what hurts on an
 # oversubscribed 2-core machine); beyond ~1024 columns time is flat while the b×T blocks (a few alive at once,
-# 4·b·T bytes each) keep growing. 1024 is the smallest tile on the time plateau. On a GPU, larger tiles (4096–8192)
+# 4·b·T bytes each) keep growing. 1024: the smallest tile on the first sweeps' time plateau, and the smallest peak of
+# the latest. On a GPU, larger tiles (4096–8192)
 # keep kernels busier; the value is a per-run choice (`make_tiled_aggregate(tile_size)`), not part of the
 # loss's definition.
 DEFAULT_TILE_SIZE = 1024
@@ -128,61 +131,101 @@ def _positives(left, candidates, ref_candidates, offset):
     return (left.to(dtype) * right.to(dtype)).sum(1)
 
 
-def _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
-    """(first column, d's tile [b, T] in float32 or wider, its log-weights h or None) of every column tile; h from
-    the tile's raw similarities (detached) and its slice of the positive mask."""
+def _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight, columns_log_weight=None):
+    """(first column, d's tile [b, T] in float32 or wider, its log-weights h or None, and with `columns_log_weight`
+    those of its columns [T, b] or None) of every column tile; the weights from the tile's raw similarities
+    (detached) and its slice of the positive mask."""
     for c0 in range(0, candidates.shape[0], tile_size):
         c1 = min(c0 + tile_size, candidates.shape[0])
         tile = product(left, _shifted_candidates(candidates, ref_candidates, c0, c1).T)
-        log_w = None
+        log_w = log_w_columns = None
         if log_weight is not None:
             sim = tile if left is anchors else product(anchors, candidates[c0:c1].T)
-            log_w = log_weight(sim, passes.positive_mask(tile.shape[0], c1 - c0, offset - c0, tile.device))
-            log_w = log_w.to(tile.dtype).expand_as(tile)  # a broadcastable result is fine
-        yield c0, tile, log_w
+            mask = passes.positive_mask(tile.shape[0], c1 - c0, offset - c0, tile.device)
+            log_w = log_weight(sim, mask).to(tile.dtype).expand_as(tile)  # a broadcastable result is fine
+            if columns_log_weight is not None:
+                log_w_columns = columns_log_weight(sim.T, mask.T).to(tile.dtype).expand_as(tile.T)
+            del sim
+        yield c0, tile, log_w, log_w_columns
 
 
-def _tile_gradient(tile, inv_tau, log_w, offset, positive, lse, scale, dtype):
-    """The tile's ∂/∂d over its negatives in `dtype`, the features' (for the products with them)."""
-    return passes.row_gradient(tile, inv_tau, log_w, offset, positive, lse, scale).to(dtype)
+# ---- the call sites compiled on CUDA: a tile's rows (a part of each anchor's row), and with `columns` its columns,
+# whole rows of the other direction when one process holds the whole batch (offset 0) -------------------------------
+
+def _tile_statistics(tile, rows, columns, offset, c0, positive, with_slope):
+    """`row_statistics` of the tile's rows, `rows` = (inv_tau, log_w), and of its columns, `columns` = (inv_tau,
+    log_w) of the candidates in the tile, or None."""
+    stats = passes.row_statistics(tile, *rows, offset - c0, positive, with_slope)
+    if columns is None:
+        return stats
+    return stats + passes.row_statistics(tile.T, *columns, c0, positive[c0:c0 + tile.shape[1]], with_slope)
 
 
-class _TiledLogMeanExpRows(torch.autograd.Function):
-    """(log g, τ-slope) of the anchors over the candidates, one column tile at a time (the module docstring). 1/τ is
-    one constant per anchor ([b]); the slope is computed only `with_slope` (zeros otherwise) and not differentiable:
-    `linear_in_inv_tau` puts the dependence on τ back."""
+def _tile_gradient(tile, rows, columns, offset, c0, positive, dtype):
+    """The tile's ∂/∂d over its negatives in `dtype`, the features' (for the products with them); `rows`, `columns`:
+    (inv_tau, log_w, lse, upstream·inv_tau) of each side."""
+    grad = passes.row_gradient(tile, *rows[:2], offset - c0, positive, *rows[2:])
+    if columns is not None:
+        grad.add_(passes.row_gradient(tile.T, *columns[:2], c0, positive[c0:c0 + tile.shape[1]], *columns[2:]).T)
+    return grad.to(dtype)
+
+
+def _in_tile(values, c0, tile):
+    return values[c0:c0 + tile.shape[1]]
+
+
+class _TiledLogMeanExp(torch.autograd.Function):
+    """(log g, τ-slope) of the anchors over the candidates, one column tile at a time (the module docstring), and
+    with `inv_tau_columns` also of the candidates over the anchors (one process, offset 0: each tile's columns are
+    whole rows of that direction, so one pass over the tiles serves both). 1/τ is one constant per anchor ([b]); the
+    slope is computed only `with_slope` (zeros otherwise) and not differentiable: `linear_in_inv_tau` puts the
+    dependence on τ back."""
 
     @staticmethod
-    def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, inv_tau, offset, tile_size,
-                negative_log_weight, with_slope):
+    def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, inv_tau, inv_tau_columns, negative_log_weight,
+                offset, tile_size, with_slope):
         normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
         log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
+        # a tile's columns are whole rows: their log-weights, normalised or not, come whole from the tile
+        columns_log_weight = negative_log_weight if inv_tau_columns is not None else None
         with autocast_disabled(anchors.device):
             left = _shifted_anchors(anchors, ref_anchors)
             positive = _positives(left, candidates, ref_candidates, offset)
             stats = normalizer = None
-            for c0, tile, log_w in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
-                tile_stats = passes.fused(passes.row_statistics, tile)(tile, inv_tau, log_w, offset - c0, positive,
-                                                                       with_slope)
-                stats = tile_stats if stats is None else passes.merge(stats, tile_stats)
+            column_stats = []
+            for c0, tile, log_w, log_w_columns in _tiles(left, anchors, candidates, ref_candidates, offset,
+                                                         tile_size, log_weight, columns_log_weight):
+                columns = None if inv_tau_columns is None else (_in_tile(inv_tau_columns, c0, tile), log_w_columns)
+                tile_stats = passes.fused(_tile_statistics, tile)(tile, (inv_tau, log_w), columns, offset, c0,
+                                                                  positive, with_slope)
+                stats = tile_stats[:3] if stats is None else passes.merge(stats, tile_stats[:3])
+                column_stats.append(tile_stats[3:])
                 if normalize:  # log Σ_{j≠i} exp h_ij: the normaliser is a constant of the graph
                     mask = passes.positive_mask(*tile.shape, offset - c0, tile.device)
                     tile_normalizer = torch.logsumexp(log_w.masked_fill(mask, float('-inf')), dim=1)
                     normalizer = tile_normalizer if normalizer is None else torch.logaddexp(normalizer,
                                                                                             tile_normalizer)
         lse, weight, slope = stats
+        log_mean = math.log(candidates.shape[0] - 1)
         # log mean_{j≠i} w̄_ij exp(ℓ̂_ij/τ_i) with w̄ = exp(h)/mean exp(h) is log Σ exp(ℓ̂/τ + h) − log Σ exp(h)
-        out = lse - normalizer if normalize else lse - math.log(candidates.shape[0] - 1)
-        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, inv_tau, positive, lse, weight)
-        ctx.offset, ctx.tile_size, ctx.log_weight = offset, tile_size, log_weight
-        ctx.mark_non_differentiable(slope)
-        return out, slope
+        out = lse - normalizer if normalize else lse - log_mean
+        if inv_tau_columns is None:
+            lse_columns = weight_columns = slope_columns = out_columns = lse.new_empty(0)
+        else:
+            lse_columns, weight_columns, slope_columns = (torch.cat(parts) for parts in zip(*column_stats))
+            out_columns = lse_columns - math.log(anchors.shape[0] - 1)
+        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, inv_tau, inv_tau_columns, positive,
+                              lse, weight, lse_columns, weight_columns)
+        ctx.offset, ctx.tile_size, ctx.log_weights = offset, tile_size, (log_weight, columns_log_weight)
+        ctx.mark_non_differentiable(slope, slope_columns)
+        return out, slope, out_columns, slope_columns
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, upstream, _slope):
-        anchors, candidates, ref_anchors, ref_candidates, inv_tau, positive, lse, weight = ctx.saved_tensors
+    def backward(ctx, upstream, _slope, upstream_columns, _slope_columns):
+        (anchors, candidates, ref_anchors, ref_candidates, inv_tau, inv_tau_columns, positive, lse, weight,
+         lse_columns, weight_columns) = ctx.saved_tensors
         offset, tile_size = ctx.offset, ctx.tile_size
         need_a, need_c, need_ra, need_rc = ctx.needs_input_grad[:4]
         dtype = elementwise_dtype(anchors.dtype)
@@ -195,11 +238,20 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         grad_ra = zeros(ref_anchors) if need_ra else None
         grad_rc = zeros(ref_candidates) if need_rc else None
         scale = upstream.to(dtype) * inv_tau
+        # ℓ̂_ij subtracts d_ii = s_ii − s^ref_ii for every j: those terms receive −scale_i Σ_j p_ij (from each side)
+        coef = scale * weight
+        if inv_tau_columns is not None:
+            scale_columns = upstream_columns.to(dtype) * inv_tau_columns
+            coef = coef + scale_columns * weight_columns
         left = _shifted_anchors(anchors, ref_anchors)
-        for c0, tile, log_w in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, ctx.log_weight):
+        for c0, tile, log_w, log_w_columns in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size,
+                                                     *ctx.log_weights):
             c1 = c0 + tile.shape[1]
-            g = passes.fused(_tile_gradient, tile)(tile, inv_tau, log_w, offset - c0, positive, lse, scale,
-                                                    anchors.dtype)
+            columns = None if inv_tau_columns is None else (
+                _in_tile(inv_tau_columns, c0, tile), log_w_columns, _in_tile(lse_columns, c0, tile),
+                _in_tile(scale_columns, c0, tile))
+            g = passes.fused(_tile_gradient, tile)(tile, (inv_tau, log_w, lse, scale), columns, offset, c0,
+                                                    positive, anchors.dtype)
             # the products with the features run in the features' dtype (16-bit: on the tensor cores)
             if need_a:
                 grad_a += product(g, candidates[c0:c1])
@@ -209,10 +261,9 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
                 grad_ra -= product(g, ref_candidates[c0:c1])
             if need_rc:
                 grad_rc[c0:c1] = -product(g.T, ref_anchors)
-            del tile, log_w, g
+            del tile, log_w, log_w_columns, g
 
-        # ℓ̂_ij subtracts d_ii = s_ii − s^ref_ii for every j: those terms receive −scale_i Σ_j p_ij
-        coef = (scale * weight)[:, None]
+        coef = coef[:, None]
         pos = slice(offset, offset + anchors.shape[0])
         if need_a:
             grad_a.sub_(coef * candidates[pos])
@@ -225,7 +276,7 @@ class _TiledLogMeanExpRows(torch.autograd.Function):
         grads = [grad if grad is None else grad.to(like.dtype)
                  for grad, like in zip((grad_a, grad_c, grad_ra, grad_rc),
                                        (anchors, candidates, ref_anchors, ref_candidates))]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def tiled_log_mean_exp_rows(
@@ -250,20 +301,31 @@ def tiled_log_mean_exp_rows(
     """
     inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
     _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
-    log_g, slope = _TiledLogMeanExpRows.apply(anchors, candidates, ref_anchors, ref_candidates,
-                                              passes.per_row(inv_tau, anchors), int(offset), tile_size,
-                                              negative_log_weight, inv_tau.requires_grad)
+    log_g, slope, _, _ = _TiledLogMeanExp.apply(anchors, candidates, ref_anchors, ref_candidates,
+                                                passes.per_row(inv_tau, anchors), None, negative_log_weight,
+                                                int(offset), tile_size, inv_tau.requires_grad)
     return linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
 
 
 def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
                     negative_log_weight=None, *, tile_size: int = DEFAULT_TILE_SIZE):
-    """`dense.dense_aggregate`, both directions tiled (the contract in `dense.py`'s docstring)."""
+    """`dense.dense_aggregate`, tiled (the contract in `dense.py`'s docstring). When the anchors are the whole batch
+    (one process) one pass over the tiles serves both directions: a tile's columns are whole text rows."""
     ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
-    return (tiled_log_mean_exp_rows(image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
-                                    negative_log_weight, tile_size=tile_size),
-            tiled_log_mean_exp_rows(text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
-                                    negative_log_weight, tile_size=tile_size))
+    if not (image is all_image and text is all_text):
+        return (tiled_log_mean_exp_rows(image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
+                                        negative_log_weight, tile_size=tile_size),
+                tiled_log_mean_exp_rows(text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
+                                        negative_log_weight, tile_size=tile_size))
+    for inv_tau in (inv_tau_image, inv_tau_text):
+        _check_inputs(image, text, offset, torch.as_tensor(inv_tau), ref_image, ref_text, tile_size)
+    with autocast_disabled(image.device):
+        with_slope = inv_tau_image.requires_grad or inv_tau_text.requires_grad
+        log_g_image, slope_image, log_g_text, slope_text = _TiledLogMeanExp.apply(
+            image, text, ref_image, ref_text, passes.per_row(inv_tau_image, image), passes.per_row(inv_tau_text, text),
+            negative_log_weight, int(offset), tile_size, with_slope)
+    return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image.to(log_g_image.dtype)),
+            linear_in_inv_tau(log_g_text, slope_text, inv_tau_text.to(log_g_text.dtype)))
 
 
 def make_tiled_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
@@ -287,7 +349,7 @@ def negative_weight_entropy(anchors, candidates, offset, inv_tau, ref_anchors=No
         left = _shifted_anchors(anchors, ref_anchors)
         positive = _positives(left, candidates, ref_candidates, offset)
         stats = None
-        for c0, tile, log_w in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
+        for c0, tile, log_w, _ in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
             tile_stats = passes.row_entropy_statistics(tile, inv_tau, log_w, offset - c0, positive)
             stats = tile_stats if stats is None else passes.merge(stats, tile_stats)
     lse, mean_logit = stats
