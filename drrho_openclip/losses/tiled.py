@@ -12,6 +12,9 @@ b×T block of any pairwise matrix (T = `tile_size` columns):
 - backward: every tile is recomputed and its gradient, the softmax of the whole row times the upstream gradient,
   is turned into the tile's contribution to the gradients of the anchors, of the candidates and, should they
   require it, of the reference features.
+- when one process holds the whole batch (`tiled_aggregate` with the anchors as candidates, offset 0), a tile's
+  columns are whole rows of the other direction: the same pass over the tiles computes both, as the untiled
+  aggregation computes both from one matrix.
 
 Memory is O((b + B)·d + b·T); the arithmetic is the untiled one plus one recomputation of d.
 
@@ -24,7 +27,8 @@ Negative log-weights (`negative_log_weight`, e.g. ADNCE-style hardness weights) 
 since the full row never exists:
 
 - a plain callable `negative_log_weight(sim, positive_mask) -> log w` is called once per tile (in forward and again
-  in backward) with the tile's [b, T] similarities (detached) and the matching slice of the positive mask. It must
+  in backward) with the tile's [b, T] similarities (detached) and the matching slice of the positive mask (and,
+  for the other direction when one pass serves both, with their transposes: whole rows of that direction). It must
   be *row-separable per tile*: its value on a column block must equal that block of its value on the whole row,
   i.e. log w_ij may depend on (i, j, s_ij, positive or not) and on fixed parameters, but not on other columns.
   An elementwise function of s_ij qualifies; a per-row normalisation (a softmax over j, a row mean or std) does
