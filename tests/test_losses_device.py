@@ -253,3 +253,27 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
     compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True))  # fullgraph: no graph break either
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_passes_compile_only_where_triton_can(monkeypatch):
+    """The aggregations compile their passes on CUDA GPUs that Triton supports and run them eagerly elsewhere, with
+    a warning on a GPU too old for Triton rather than a failed compilation at the first training step."""
+    import importlib.util
+    from drrho_openclip.losses import passes
+    gpu = torch.device('cuda', 0)
+
+    def on(capability, triton_installed):
+        passes.compiles_for.cache_clear()
+        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: capability)
+        monkeypatch.setattr(importlib.util, 'find_spec', lambda name: object() if triton_installed else None)
+        return passes.compiles_for(gpu)
+
+    try:
+        assert not passes.compiles_for(torch.device('cpu'))
+        assert on((9, 0), True) and on((7, 0), True)
+        with pytest.warns(UserWarning, match='compute capability 7.0 or more, this GPU has 6.0'):
+            assert not on((6, 0), True)
+        with pytest.warns(UserWarning, match='Triton is not installed'):
+            assert not on((8, 0), False)
+    finally:
+        passes.compiles_for.cache_clear()

@@ -10,6 +10,8 @@ stream the block (a reduction pass forward, one pass backward) instead of one ke
 writing a b×B float32 matrix; on the CPU they run eagerly, in place where they can.
 """
 import functools
+import importlib.util
+import warnings
 
 import torch
 
@@ -109,8 +111,25 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
+@functools.lru_cache(maxsize=None)
+def compiles_for(device: torch.device) -> bool:
+    """Whether the passes are compiled on `device`: a CUDA GPU that TorchInductor's code generator, Triton, supports
+    (installed, compute capability 7.0 and up); elsewhere they run eagerly, with the same results. A GPU too old
+    for Triton (a P100, a K80) gets a warning once instead of a failed compilation at the first step."""
+    if device.type != 'cuda':
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if importlib.util.find_spec('triton') is not None and capability >= (7, 0):
+        return True
+    why = 'Triton is not installed' if capability >= (7, 0) else \
+        f"Triton needs compute capability 7.0 or more, this GPU has {capability[0]}.{capability[1]}"
+    warnings.warn(f"drrho-openclip: the loss's passes over the pairwise matrix run eagerly on {device} ({why}): "
+                  f"the same results, more memory traffic")
+    return False
+
+
 def fused(fn, block):
-    """`fn` as the device runs it best: compiled by TorchInductor on CUDA (a pass over the block per reduction or
-    elementwise chain, instead of one per operation; `TORCH_COMPILE_DISABLE=1` turns it off), eager elsewhere (the
-    CPU's own kernels, no compiler needed)."""
-    return _compiled(fn) if block.is_cuda else fn
+    """`fn` as the device runs it best: compiled by TorchInductor on a CUDA GPU it supports (a pass over the block per
+    reduction or elementwise chain, instead of one per operation; `TORCH_COMPILE_DISABLE=1` turns it off), eager
+    elsewhere (the CPU's own kernels, no compiler needed)."""
+    return _compiled(fn) if compiles_for(block.device) else fn
