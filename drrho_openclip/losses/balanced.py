@@ -28,14 +28,22 @@ def column_logsumexp(x: torch.Tensor, world_size: int) -> torch.Tensor:
     return gather_batch(rows, world_size, with_grad=True, device=x.device).logsumexp(dim=0, keepdim=True)
 
 
-def balance(logits: torch.Tensor, steps: int, world_size: int) -> torch.Tensor:
-    """`steps` alternating log-domain normalisations of this rank's [b, N] rows, the rows first."""
+def balanced_at_positives(logits: torch.Tensor, steps: int, world_size: int, positives):
+    """(A_k at the positives [b], the first half-step's row normaliser [b]) of this rank's [b, N] rows, the rows
+    normalised first. k − 1 half-steps are taken over the whole matrix; the loss reads A_k only at the positives, so
+    the last one is its normaliser there (a reduction, no k-th b×N matrix kept for backward)."""
+    rows, columns = positives
+    first = None
     for step in range(steps):
         if step % 2 == 0:
-            logits = logits - logits.logsumexp(dim=1, keepdim=True)
+            normaliser = logits.logsumexp(dim=1, keepdim=True)
+            first = normaliser[:, 0] if first is None else first
         else:
-            logits = logits - column_logsumexp(logits, world_size)
-    return logits
+            normaliser = column_logsumexp(logits, world_size)
+        if step == steps - 1:
+            at_positives = normaliser[rows, 0] if step % 2 == 0 else normaliser[0, columns]
+            return logits[positives] - at_positives, first
+        logits = logits - normaliser
 
 
 class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
@@ -63,10 +71,10 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             image, text = image_features.to(dtype), text_features.to(dtype)
             all_image = gather_batch(image, self.world_size, with_grad=True, device=device)
             all_text = gather_batch(text, self.world_size, with_grad=True, device=device)
-            # one process holds the whole batch: the text rows' similarities are the image rows' transposed
+            # one process holds the whole batch: the text rows' logits are the image rows' transposed
             whole_batch = self.world_size == 1
             sim_image = similarities(image, all_text)
-            sim_text = sim_image.T if whole_batch else similarities(text, all_image)
+            sim_text = None if whole_batch else similarities(text, all_image)
             tau = self.temperature(logit_scale=logit_scale)[0].to(sim_image.dtype)
             if accum_step:  # a later call on the same window: τ's gradient came whole with the first call
                 tau = tau.detach()
@@ -74,20 +82,18 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                 ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)
                 sim_image = sim_image - product(ref_image, all_ref_text.T)
-                if whole_batch:
-                    sim_text = sim_image.T
-                else:
+                if not whole_batch:
                     all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False, device=device)
                     sim_text = sim_text - product(ref_text, all_ref_image.T)
-            logits_image, logits_text = sim_image / tau, sim_text / tau
+            logits_image = sim_image / tau
+            logits_text = logits_image.T if whole_batch else sim_text / tau
             rows = torch.arange(logits_image.shape[0], device=logits_image.device)
             positives = (rows, rows + self.rank * logits_image.shape[0])
-            p = balance(logits_image, self.steps, self.world_size)
-            q = balance(logits_text, self.steps, self.world_size)
-            loss = -(p[positives] + q[positives]).mean() / 2
+            p, lse_image = balanced_at_positives(logits_image, self.steps, self.world_size, positives)
+            q, lse_text = balanced_at_positives(logits_text, self.steps, self.world_size, positives)
+            loss = -(p + q).mean() / 2
             with torch.no_grad():  # CLIP's loss (k = 1) alongside: k ≥ 2 collapsing towards 0 alone is the warning
-                # log_softmax at the positives only: one reduction per row instead of a whole b×B result
-                clip = -((logits_image[positives] - logits_image.logsumexp(1))
-                         + (logits_text[positives] - logits_text.logsumexp(1))).mean() / 2
+                # the first half-step's row normalisers are CLIP's log-softmax denominators
+                clip = -((logits_image[positives] - lse_image) + (logits_text[positives] - lse_text)).mean() / 2
             self._last = {'clip_loss': clip, 'tau': tau.detach()}
         return {'contrastive_loss': loss} if output_dict else loss
