@@ -33,16 +33,6 @@ from . import passes
 from .precision import autocast_disabled, product, without_autocast
 
 
-def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
-    """`value` (computed with 1/τ detached) made differentiable in `inv_tau` through its derivative `slope` there:
-    value + slope·(inv_tau − inv_tau.detach()) adds exactly zero. A gradient with respect to τ alone, which a learned
-    temperature takes inside every forward call for its own step, then costs O(b) instead of a second backward pass
-    over the b×B matrices; the training backward gets the same τ-gradient as from the full expression."""
-    if not inv_tau.requires_grad:
-        return value
-    return value + slope * (inv_tau - inv_tau.detach())
-
-
 # ---- the call sites compiled on CUDA: the passes over d's rows, and over its columns when one process holds all ----
 
 def _statistics(shifted, rows, columns, offset, with_slope):
@@ -76,9 +66,9 @@ class _DenseLogMeanExp(torch.autograd.Function):
     """(log g, τ-slope) of the anchors over the candidates, d = anchors·candidatesᵀ [− ref_anchors·ref_candidatesᵀ],
     and with `inv_tau_columns` also of the candidates over the anchors (d's columns; one process, offset 0). 1/τ is one
     constant per anchor ([b]); `negative_log_weight` (or None) gives each direction's constant log-weights from its
-    raw similarities. The slope ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij is
-    computed only `with_slope` (zeros otherwise) and not differentiable: `linear_in_inv_tau` puts the dependence on
-    τ back. Differentiable in the four feature sets."""
+    raw similarities. The slope ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij is computed only `with_slope` (zeros otherwise)
+    and not differentiable: `passes.linear_in_inv_tau` puts the dependence on τ back. Differentiable in the four
+    feature sets."""
 
     @staticmethod
     def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, inv_tau, inv_tau_columns, negative_log_weight,
@@ -131,7 +121,7 @@ def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, re
         log_g, slope, _, _ = _DenseLogMeanExp.apply(
             anchors, candidates, ref_anchors, ref_candidates, passes.per_row(inv_tau, anchors), None,
             negative_log_weight, offset, torch.is_tensor(inv_tau) and inv_tau.requires_grad)
-        return linear_in_inv_tau(log_g, slope, inv_tau)
+        return passes.linear_in_inv_tau(log_g, slope, inv_tau)
 
 
 def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
@@ -150,5 +140,5 @@ def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
         log_g_image, slope_image, log_g_text, slope_text = _DenseLogMeanExp.apply(
             image, text, ref_image, ref_text, passes.per_row(inv_tau_image, image), passes.per_row(inv_tau_text, text),
             negative_log_weight, offset, with_slope)
-        return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image),
-                linear_in_inv_tau(log_g_text, slope_text, inv_tau_text))
+        return (passes.linear_in_inv_tau(log_g_image, slope_image, inv_tau_image),
+                passes.linear_in_inv_tau(log_g_text, slope_text, inv_tau_text))

@@ -7,7 +7,9 @@ are ℓ̂_ij·inv_tau_i [+ log w_ij], ℓ̂_ij = d_ij − d_ii, −inf at the po
 
 These are plain torch functions: on CUDA, TorchInductor compiles each call site (`fused`) into a few kernels that
 stream the block (a reduction pass forward, one pass backward) instead of one kernel per operation, each reading and
-writing a b×B float32 matrix; on the CPU they run eagerly, in place where they can.
+writing a b×B float32 matrix; on the CPU they run eagerly, in place where they can. Around them, what both
+aggregations share: 1/τ as one constant per anchor (`per_row`) and the result made differentiable in 1/τ through its
+slope (`linear_in_inv_tau`).
 """
 import functools
 import importlib.util
@@ -101,6 +103,16 @@ def merge(total, part):
     lse = torch.logaddexp(total[0], part[0])
     to_joint = [torch.exp(stats[0] - safe_lse(lse)) for stats in (total, part)]
     return (lse, *(a * to_joint[0] + b * to_joint[1] for a, b in zip(total[1:], part[1:])))
+
+
+def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.Tensor) -> torch.Tensor:
+    """`value` (computed with 1/τ detached) made differentiable in `inv_tau` through its derivative `slope` there:
+    value + slope·(inv_tau − inv_tau.detach()) adds exactly zero. A gradient with respect to τ alone, which a learned
+    temperature takes inside every forward call for its own step, then costs O(b) instead of a second backward pass
+    over the b×B matrices; the training backward gets the same τ-gradient as from the full expression."""
+    if not inv_tau.requires_grad:
+        return value
+    return value + slope * (inv_tau - inv_tau.detach())
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,7 +46,6 @@ from typing import Callable, Optional
 import torch
 
 from . import passes
-from .dense import linear_in_inv_tau
 from .precision import autocast_disabled, elementwise_dtype, product, without_autocast
 
 __all__ = [
@@ -182,7 +181,7 @@ class _TiledLogMeanExp(torch.autograd.Function):
     """(log g, τ-slope) of the anchors over the candidates, one column tile at a time (the module docstring), and
     with `inv_tau_columns` also of the candidates over the anchors (one process, offset 0: each tile's columns are
     whole rows of that direction, so one pass over the tiles serves both). 1/τ is one constant per anchor ([b]); the
-    slope is computed only `with_slope` (zeros otherwise) and not differentiable: `linear_in_inv_tau` puts the
+    slope is computed only `with_slope` (zeros otherwise) and not differentiable: `passes.linear_in_inv_tau` puts the
     dependence on τ back."""
 
     @staticmethod
@@ -308,7 +307,7 @@ def tiled_log_mean_exp_rows(
     log_g, slope, _, _ = _TiledLogMeanExp.apply(anchors, candidates, ref_anchors, ref_candidates,
                                                 passes.per_row(inv_tau, anchors), None, negative_log_weight,
                                                 int(offset), tile_size, inv_tau.requires_grad)
-    return linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
+    return passes.linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
 
 
 def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
@@ -328,8 +327,8 @@ def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
         log_g_image, slope_image, log_g_text, slope_text = _TiledLogMeanExp.apply(
             image, text, ref_image, ref_text, passes.per_row(inv_tau_image, image), passes.per_row(inv_tau_text, text),
             negative_log_weight, int(offset), tile_size, with_slope)
-    return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image.to(log_g_image.dtype)),
-            linear_in_inv_tau(log_g_text, slope_text, inv_tau_text.to(log_g_text.dtype)))
+    return (passes.linear_in_inv_tau(log_g_image, slope_image, inv_tau_image.to(log_g_image.dtype)),
+            passes.linear_in_inv_tau(log_g_text, slope_text, inv_tau_text.to(log_g_text.dtype)))
 
 
 def make_tiled_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
