@@ -70,3 +70,17 @@ def test_openclip_loss_flags_a_loss_does_not_read_are_warned_about(shapes, caplo
         parse('--model', shapes['model'], '--loss', 'clip', '--local-loss', '--gather-with-grad')
         parse('--model', shapes['model'], '--loss', 'jest', '--ref-model', 'RN50', '--local-loss')
     assert 'does not read' not in caplog.text
+
+
+@pytest.mark.parametrize('loss, compiles, logged', [('drrho', True, True), ('drrho', False, False),
+                                                     ('balanced', True, False)])
+def test_the_run_says_when_the_loss_compiles_at_its_first_step(shapes, loss, compiles, logged, monkeypatch, caplog):
+    """On a GPU the DRO losses compile their passes during the first step: the start-up log says so, instead of a
+    silent pause. Losses without those passes (balanced) and devices where they run eagerly log nothing of it."""
+    from drrho_openclip.openclip import model as boundary
+    monkeypatch.setattr(boundary, 'compiles_for', lambda device: compiles)
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss,
+                 *(('--ref-model', shapes['model']) if loss == 'drrho' else ()))
+    with caplog.at_level(logging.INFO):
+        plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+    assert ('compiled by TorchInductor during the first training step' in caplog.text) == logged

@@ -2,7 +2,8 @@
 modules of their own where the method is not a DRO over negatives (`clip.py`, `mobileclip.py`, `balanced.py`,
 `jest.py`).
 
-The core's parts, one concern per module: `dense.py` and `tiled.py` (the two aggregations, one contract),
+The core's parts, one concern per module: `dense.py` and `tiled.py` (the two aggregations, one contract, over the
+passes of `passes.py`, compiled on CUDA GPUs that support it: `compiles_for`),
 `temperatures.py` (every temperature source), `state.py` (per-sample tables, their layouts across ranks and their
 checkpoint files), `collectives.py` (every collective, device-checked), `precision.py` (the dtypes the losses
 compute in). `registry.py` names the losses and their options; `family.py` registers them.
@@ -14,6 +15,7 @@ and constants are registered buffers: `loss.to(device)` puts all of it on the fe
 computes and communicates.
 """
 from .core import DROContrastiveLoss
+from .passes import compiles_for
 from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
                        float_or_auto, get_loss_spec, inactive_options, list_losses, loss_options, option_names, register_loss)
 from .state import STATE_LAYOUTS, MovingAverageState, load_state_shards, per_sample_tables, save_state_shards
@@ -24,8 +26,8 @@ from .tiled import DEFAULT_TILE_SIZE
 from . import family  # noqa: F401 - registers the named losses
 
 __all__ = [
-    'DROContrastiveLoss', 'FixedTemperature', 'LearnedTemperature', 'LogitScaleTemperature', 'MovingAverageState',
-    'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'per_sample_tables',
+    'DROContrastiveLoss', 'compiles_for', 'FixedTemperature', 'LearnedTemperature', 'LogitScaleTemperature',
+    'MovingAverageState', 'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'per_sample_tables',
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',
     'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'load_state_shards', 'save_state_shards',
     'AUTO', 'OPTION_HELP', 'OPTION_TYPES', 'TAU_OBJECTIVES', 'TEMPERATURE_OPTIMIZERS', 'create_loss', 'float_or_auto',
