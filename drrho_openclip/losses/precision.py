@@ -69,6 +69,14 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
+def subtract_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out −= a @ b in place, not differentiable: one accumulating product (no a @ b temporary) when `out` has the
+    features' dtype, else `product`'s float32 result subtracted."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        return out.addmm_(a, b, alpha=-1)
+    return out.sub_(product(a, b))
+
+
 class _Similarities(torch.autograd.Function):
     """anchors @ candidates.T (see `product`), and backward's two products in the features' dtype too, whatever
     autocast region backward runs in (autograd's own matmul backward would follow the caller's autocast)."""

@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from . import passes
-from .precision import autocast_disabled, elementwise_dtype, product, without_autocast
+from .precision import autocast_disabled, elementwise_dtype, product, subtract_product_, without_autocast
 
 __all__ = [
     'DEFAULT_TILE_SIZE', 'RowNormalizedLogWeight', 'make_tiled_aggregate', 'negative_weight_entropy', 'tiled_aggregate',
@@ -60,11 +60,10 @@ __all__ = [
 #     step 68 / 46 / 34 / 22.6 / 20.7 / 24.2 s,  peak 0.07 / 0.09 / 0.20 / 0.16 / 0.25 / 0.42 GiB
 #   1 thread,  global batch 4096, T = 256 / 1024 / 4096:  step 4.1 / 4.3 / 4.8 s,  peak 0.05 / 0.14 / 0.21 GiB
 #   1 thread, global batch 8192, both directions in one pass (tiled_memory_shared_passes.md), T = 512 / 1024 / 2048 /
-#     4096: step 4.0 / 4.5 / 4.8 / 5.2 s, peak 0.42 / 0.20 / 0.30 / 0.47 GiB
+#     4096: step 4.4 / 5.0 / 5.0 / 4.8 s, peak 0.10 / 0.16 / 0.23 / 0.44 GiB
 # Small tiles pay a per-tile cost (~20 small kernels per tile, each an OpenMP region, which is what hurts on an
 # oversubscribed 2-core machine); beyond ~1024 columns time is flat while the b×T blocks (a few alive at once,
-# 4·b·T bytes each) keep growing. 1024: the smallest tile on the first sweeps' time plateau, and the smallest peak of
-# the latest. On a GPU, larger tiles (4096–8192)
+# 4·b·T bytes each) keep growing. 1024: the smallest tile on the first sweeps' time plateau. On a GPU, larger tiles (4096–8192)
 # keep kernels busier; the value is a per-run choice (`make_tiled_aggregate(tile_size)`), not part of the
 # loss's definition.
 DEFAULT_TILE_SIZE = 1024
@@ -116,39 +115,34 @@ def _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candida
                          f"match anchors {tuple(anchors.shape)} / candidates {tuple(candidates.shape)}")
 
 
-def _shifted_anchors(anchors, ref_anchors):
-    """The left factor of d = left·rightᵀ: the anchors, or [x, x^ref] with the reference shift, so that
-    d_ij = s_ij − s^ref_ij is one product per tile (the right factor [y, −y^ref] is built per tile: `_tiles`)."""
-    return anchors if ref_anchors is None else torch.cat([anchors, ref_anchors], 1)
-
-
-def _shifted_candidates(candidates, ref_candidates, start, stop):
-    return candidates[start:stop] if ref_candidates is None else \
-        torch.cat([candidates[start:stop], -ref_candidates[start:stop]], 1)
-
-
-def _positives(left, candidates, ref_candidates, offset):
+def _positives(anchors, candidates, ref_anchors, ref_candidates, offset):
     """d_ii [b] of every anchor and its positive (candidate offset + i), in the elementwise dtype."""
-    dtype = elementwise_dtype(left.dtype)
-    right = _shifted_candidates(candidates, ref_candidates, offset, offset + left.shape[0])
-    return (left.to(dtype) * right.to(dtype)).sum(1)
+    def dot(x, y):
+        dtype = elementwise_dtype(x.dtype)
+        return (x.to(dtype) * y[offset:offset + x.shape[0]].to(dtype)).sum(1)
+    return dot(anchors, candidates) if ref_anchors is None else \
+        dot(anchors, candidates) - dot(ref_anchors, ref_candidates)
 
 
-def _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight, columns_log_weight=None):
+def _tiles(anchors, candidates, ref_anchors, ref_candidates, offset, tile_size, log_weight, columns_log_weight=None):
     """(first column, d's tile [b, T] in float32 or wider, its log-weights h or None, and with `columns_log_weight`
     those of its columns [T, b] or None) of every column tile; the weights from the tile's raw similarities
-    (detached) and its slice of the positive mask."""
+    (detached) and its slice of the positive mask. d = s − s^ref is two products per tile, the second accumulated
+    into the first (`subtract_product_`; apart when log-weights may hold a view of s)."""
     for c0 in range(0, candidates.shape[0], tile_size):
         c1 = min(c0 + tile_size, candidates.shape[0])
-        tile = product(left, _shifted_candidates(candidates, ref_candidates, c0, c1).T)
+        tile = product(anchors, candidates[c0:c1].T)
         log_w = log_w_columns = None
         if log_weight is not None:
-            sim = tile if left is anchors else product(anchors, candidates[c0:c1].T)
             mask = passes.positive_mask(tile.shape[0], c1 - c0, offset - c0, tile.device)
-            log_w = log_weight(sim, mask).to(tile.dtype).expand_as(tile)  # a broadcastable result is fine
+            log_w = log_weight(tile, mask).to(tile.dtype).expand_as(tile)  # a broadcastable result is fine
             if columns_log_weight is not None:
-                log_w_columns = columns_log_weight(sim.T, mask.T).to(tile.dtype).expand_as(tile.T)
-            del sim
+                log_w_columns = columns_log_weight(tile.T, mask.T).to(tile.dtype).expand_as(tile.T)
+        if ref_anchors is not None:
+            if log_weight is not None:  # they may hold a view of the raw similarities
+                tile = tile - product(ref_anchors, ref_candidates[c0:c1].T)
+            else:
+                subtract_product_(tile, ref_anchors, ref_candidates[c0:c1].T)
         yield c0, tile, log_w, log_w_columns
 
 
@@ -192,11 +186,10 @@ class _TiledLogMeanExp(torch.autograd.Function):
         # a tile's columns are whole rows: their log-weights, normalised or not, come whole from the tile
         columns_log_weight = negative_log_weight if inv_tau_columns is not None else None
         with autocast_disabled(anchors.device):
-            left = _shifted_anchors(anchors, ref_anchors)
-            positive = _positives(left, candidates, ref_candidates, offset)
+            positive = _positives(anchors, candidates, ref_anchors, ref_candidates, offset)
             stats = normalizer = None
             column_stats = []
-            for c0, tile, log_w, log_w_columns in _tiles(left, anchors, candidates, ref_candidates, offset,
+            for c0, tile, log_w, log_w_columns in _tiles(anchors, candidates, ref_anchors, ref_candidates, offset,
                                                          tile_size, log_weight, columns_log_weight):
                 columns = None if inv_tau_columns is None else (_in_tile(inv_tau_columns, c0, tile), log_w_columns)
                 tile_stats = passes.fused(_tile_statistics, tile)(tile, (inv_tau, log_w), columns, offset, c0,
@@ -246,9 +239,8 @@ class _TiledLogMeanExp(torch.autograd.Function):
         if inv_tau_columns is not None:
             scale_columns = upstream_columns.to(dtype) * inv_tau_columns
             coef = coef + scale_columns * weight_columns
-        left = _shifted_anchors(anchors, ref_anchors)
-        for c0, tile, log_w, log_w_columns in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size,
-                                                     *ctx.log_weights):
+        for c0, tile, log_w, log_w_columns in _tiles(anchors, candidates, ref_anchors, ref_candidates, offset,
+                                                     tile_size, *ctx.log_weights):
             c1 = c0 + tile.shape[1]
             columns = None if inv_tau_columns is None else (
                 _in_tile(inv_tau_columns, c0, tile), log_w_columns, _in_tile(lse_columns, c0, tile),
@@ -349,10 +341,10 @@ def negative_weight_entropy(anchors, candidates, offset, inv_tau, ref_anchors=No
     log_weight = getattr(negative_log_weight, 'log_weight', negative_log_weight)
     inv_tau = passes.per_row(inv_tau, anchors)
     with autocast_disabled(anchors.device):
-        left = _shifted_anchors(anchors, ref_anchors)
-        positive = _positives(left, candidates, ref_candidates, offset)
+        positive = _positives(anchors, candidates, ref_anchors, ref_candidates, offset)
         stats = None
-        for c0, tile, log_w, _ in _tiles(left, anchors, candidates, ref_candidates, offset, tile_size, log_weight):
+        for c0, tile, log_w, _ in _tiles(anchors, candidates, ref_anchors, ref_candidates, offset, tile_size,
+                                         log_weight):
             tile_stats = passes.row_entropy_statistics(tile, inv_tau, log_w, offset - c0, positive)
             stats = tile_stats if stats is None else passes.merge(stats, tile_stats)
     lse, mean_logit = stats
