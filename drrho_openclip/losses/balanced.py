@@ -33,11 +33,11 @@ def balanced_at_positives(logits: torch.Tensor, steps: int, world_size: int, pos
     normalised first. k − 1 half-steps are taken over the whole matrix; the loss reads A_k only at the positives, so
     the last one is its normaliser there (a reduction, no k-th b×N matrix kept for backward)."""
     rows, columns = positives
-    first = None
     for step in range(steps):
         if step % 2 == 0:
             normaliser = logits.logsumexp(dim=1, keepdim=True)
-            first = normaliser[:, 0] if first is None else first
+            if step == 0:
+                first = normaliser[:, 0]
         else:
             normaliser = column_logsumexp(logits, world_size)
         if step == steps - 1:

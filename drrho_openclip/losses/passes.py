@@ -72,6 +72,7 @@ def row_statistics(block, inv_tau, log_w, offset, positive, with_slope):
     """(lse_i, Σ_j p_ij, Σ_j p_ij ℓ̂_ij) of every row of the block, p_i the softmax of its logits. Σ_j p_ij is 1 up to
     rounding (0 for an all −inf row); backward uses the computed sum, so that each row's gradient sums to zero, as
     ℓ̂'s invariance to adding a constant to d's row says it must. The slope only `with_slope` (zeros otherwise)."""
+    positive = block.diagonal(offset) if positive is None else positive
     logits = negative_logits(block, inv_tau, log_w, offset, positive)
     lse = torch.logsumexp(logits, dim=1)
     p = softmax_(logits, lse)
@@ -79,7 +80,6 @@ def row_statistics(block, inv_tau, log_w, offset, positive, with_slope):
     if not with_slope:
         return lse, weight, torch.zeros_like(lse)
     # Σ_j p_ij ℓ̂_ij = Σ_j p_ij d_ij − d_ii Σ_j p_ij (whatever the log-weights)
-    positive = block.diagonal(offset) if positive is None else positive
     return lse, weight, p.mul_(block).sum(dim=1) - positive * weight
 
 

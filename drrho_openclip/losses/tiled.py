@@ -63,9 +63,9 @@ __all__ = [
 #     4096: step 4.4 / 5.0 / 5.0 / 4.8 s, peak 0.10 / 0.16 / 0.23 / 0.44 GiB
 # Small tiles pay a per-tile cost (~20 small kernels per tile, each an OpenMP region, which is what hurts on an
 # oversubscribed 2-core machine); beyond ~1024 columns time is flat while the b×T blocks (a few alive at once,
-# 4·b·T bytes each) keep growing. 1024: the smallest tile on the first sweeps' time plateau. On a GPU, larger tiles (4096–8192)
-# keep kernels busier; the value is a per-run choice (`make_tiled_aggregate(tile_size)`), not part of the
-# loss's definition.
+# 4·b·T bytes each) keep growing. 1024: the smallest tile on the first sweeps' time plateau. On a GPU, larger tiles
+# (4096–8192) keep kernels busier; the value is a per-run choice (`make_tiled_aggregate(tile_size)`), not part of
+# the loss's definition.
 DEFAULT_TILE_SIZE = 1024
 
 
@@ -146,6 +146,10 @@ def _tiles(anchors, candidates, ref_anchors, ref_candidates, offset, tile_size, 
         yield c0, tile, log_w, log_w_columns
 
 
+def _in_tile(values, c0, tile):
+    return values[c0:c0 + tile.shape[1]]
+
+
 # ---- the call sites compiled on CUDA: a tile's rows (a part of each anchor's row), and with `columns` its columns,
 # whole rows of the other direction when one process holds the whole batch (offset 0) -------------------------------
 
@@ -155,7 +159,7 @@ def _tile_statistics(tile, rows, columns, offset, c0, positive, with_slope):
     stats = passes.row_statistics(tile, *rows, offset - c0, positive, with_slope)
     if columns is None:
         return stats
-    return stats + passes.row_statistics(tile.T, *columns, c0, positive[c0:c0 + tile.shape[1]], with_slope)
+    return stats + passes.row_statistics(tile.T, *columns, c0, _in_tile(positive, c0, tile), with_slope)
 
 
 def _tile_gradient(tile, rows, columns, offset, c0, positive, dtype):
@@ -163,12 +167,8 @@ def _tile_gradient(tile, rows, columns, offset, c0, positive, dtype):
     (inv_tau, log_w, lse, upstream·inv_tau) of each side."""
     grad = passes.row_gradient(tile, *rows[:2], offset - c0, positive, *rows[2:])
     if columns is not None:
-        grad.add_(passes.row_gradient(tile.T, *columns[:2], c0, positive[c0:c0 + tile.shape[1]], *columns[2:]).T)
+        grad.add_(passes.row_gradient(tile.T, *columns[:2], c0, _in_tile(positive, c0, tile), *columns[2:]).T)
     return grad.to(dtype)
-
-
-def _in_tile(values, c0, tile):
-    return values[c0:c0 + tile.shape[1]]
 
 
 class _TiledLogMeanExp(torch.autograd.Function):
@@ -197,8 +197,8 @@ class _TiledLogMeanExp(torch.autograd.Function):
                 stats = tile_stats[:3] if stats is None else passes.merge(stats, tile_stats[:3])
                 column_stats.append(tile_stats[3:])
                 if normalize:  # log Σ_{j≠i} exp h_ij: the normaliser is a constant of the graph
-                    mask = passes.positive_mask(*tile.shape, offset - c0, tile.device)
-                    tile_normalizer = torch.logsumexp(log_w.masked_fill(mask, float('-inf')), dim=1)
+                    negatives = passes.set_positives(log_w.clone(), offset - c0, float('-inf'))
+                    tile_normalizer = torch.logsumexp(negatives, dim=1)
                     normalizer = tile_normalizer if normalizer is None else torch.logaddexp(normalizer,
                                                                                             tile_normalizer)
         lse, weight, slope = stats

@@ -13,8 +13,8 @@ from .run import Run
 # The untiled core holds about three b×B matrices per rank at its peak (b local, B global batch; d in float32, the
 # softmax recomputed in backward, the gradient): measured 14 bytes per pair with float32 features on the CPU (223 MiB
 # at 4096²) and 7.5 with bf16 on an H200 (120 MiB; `benchmarks/overheads.py`). The tiled core never holds more than
-# b×T, but costs time (one more product per tile, smaller kernels: at one process and B = 16384 on the CPU, 1.65× the
-# untiled time), so it is chosen only where the untiled matrices would crowd the device: on a GPU once they would
+# b×T, but costs time (d recomputed in backward, smaller kernels: at one process and B = 16384 on the CPU, 1.24–1.34×
+# the untiled time), so it is chosen only where the untiled matrices would crowd the device: on a GPU once they would
 # take more than a quarter of its memory (an 80 GB GPU from one process at B ≈ 39k, an H200 at ≈ 52k; the model,
 # its activations and the optimiser need the rest), elsewhere from 2^28 pairs (3.5 GiB; one process at 16384).
 UNTILED_BYTES_PER_PAIR = 14
