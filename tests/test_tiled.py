@@ -176,9 +176,10 @@ def test_one_pass_over_the_tiles_serves_both_directions(tile_size, log_weight):
 @pytest.mark.parametrize('log_weight', [_elementwise_log_weight, _aliasing_log_weight, _constant_log_weight])
 @pytest.mark.parametrize('normalized', [False, True])
 @pytest.mark.parametrize('tile_size', [1, 3, 7, B_CANDIDATES + 1])
-def test_negative_log_weight(tile_size, normalized, log_weight):
+@pytest.mark.parametrize('with_ref', [True, False])  # without a reference a tile is the similarities themselves
+def test_negative_log_weight(tile_size, normalized, log_weight, with_ref):
     nlw = RowNormalizedLogWeight(log_weight) if normalized else log_weight
-    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(11 + tile_size, 'per_row', True)
+    anchors, candidates, inv_tau, ref_a, ref_c, upstream = _inputs(11 + tile_size, 'per_row', with_ref)
     args = (anchors, candidates, 5, inv_tau, ref_a, ref_c, upstream, nlw)
     reference = _value_and_grads(log_mean_exp_rows, *args)
     tiled = _value_and_grads(tiled_rows(tile_size), *args)

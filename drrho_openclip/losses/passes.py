@@ -46,11 +46,16 @@ def set_positives(block: torch.Tensor, offset: int, value) -> torch.Tensor:
     return block
 
 
-def negative_logits(block, inv_tau, log_w, offset, positive):
+def negative_logits(block, inv_tau, log_w, offset, positive, overwrite=False):
     """[b, T] ℓ̂_ij·inv_tau_i (+ log w_ij), −inf at the positives. `positive`: d_ii [b], or None when the positives
-    are in the block (its diagonal at `offset`)."""
-    positive = block.diagonal(offset) if positive is None else positive
-    logits = torch.addcmul((-positive * inv_tau)[:, None], block, inv_tau[:, None])
+    are in the block (its diagonal at `offset`). With `overwrite` (a block read by nothing afterwards, `positive`
+    given, `log_w` not a view of it) the eager pass writes the logits into the block instead of a second b×T matrix;
+    compiled, the kernel streams the block either way."""
+    if overwrite and not torch.compiler.is_compiling():
+        logits = block.mul_(inv_tau[:, None]).add_((-positive * inv_tau)[:, None])  # addcmul's arithmetic
+    else:
+        positive = block.diagonal(offset) if positive is None else positive
+        logits = torch.addcmul((-positive * inv_tau)[:, None], block, inv_tau[:, None])
     if log_w is not None:
         logits += log_w
     return set_positives(logits, offset, float('-inf'))
@@ -91,10 +96,12 @@ def row_entropy_statistics(block, inv_tau, log_w, offset, positive):
     return lse, (softmax_(logits, lse) * finite).sum(dim=1)
 
 
-def row_gradient(block, inv_tau, log_w, offset, positive, lse, scale):
+def row_gradient(block, inv_tau, log_w, offset, positive, lse, scale, overwrite=False):
     """∂ Σ_i upstream_i log g_i / ∂d over the block's negatives, scale_i = upstream_i·inv_tau_i: scale_i p_ij, 0 at
-    the positives (whose entry, −scale_i Σ_j p_ij over the whole row, the caller adds). `lse` is the whole row's."""
-    return softmax_(negative_logits(block, inv_tau, log_w, offset, positive), lse).mul_(scale[:, None])
+    the positives (whose entry, −scale_i Σ_j p_ij over the whole row, the caller adds). `lse` is the whole row's.
+    `overwrite`: as for `negative_logits`, the gradient takes the block's place."""
+    logits = negative_logits(block, inv_tau, log_w, offset, positive, overwrite)
+    return softmax_(logits, lse).mul_(scale[:, None])
 
 
 def merge(total, part):

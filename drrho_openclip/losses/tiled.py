@@ -162,12 +162,16 @@ def _tile_statistics(tile, rows, columns, offset, c0, positive, with_slope):
     return stats + passes.row_statistics(tile.T, *columns, c0, _in_tile(positive, c0, tile), with_slope)
 
 
-def _tile_gradient(tile, rows, columns, offset, c0, positive, dtype):
+def _tile_gradient(tile, rows, columns, offset, c0, positive, dtype, overwrite):
     """The tile's ∂/∂d over its negatives in `dtype`, the features' (for the products with them); `rows`, `columns`:
-    (inv_tau, log_w, lse, upstream·inv_tau) of each side."""
-    grad = passes.row_gradient(tile, *rows[:2], offset - c0, positive, *rows[2:])
-    if columns is not None:
-        grad.add_(passes.row_gradient(tile.T, *columns[:2], c0, _in_tile(positive, c0, tile), *columns[2:]).T)
+    (inv_tau, log_w, lse, upstream·inv_tau) of each side. The tile is recomputed for this call alone: with
+    `overwrite` (no log-weights are a view of it) the rows' gradient is written into it, last, so that one process's
+    two directions hold two b×T blocks at a time, not three."""
+    grad_columns = None if columns is None else \
+        passes.row_gradient(tile.T, *columns[:2], c0, _in_tile(positive, c0, tile), *columns[2:])
+    grad = passes.row_gradient(tile, *rows[:2], offset - c0, positive, *rows[2:], overwrite=overwrite)
+    if grad_columns is not None:
+        grad.add_(grad_columns.T)
     return grad.to(dtype)
 
 
@@ -239,6 +243,8 @@ class _TiledLogMeanExp(torch.autograd.Function):
         if inv_tau_columns is not None:
             scale_columns = upstream_columns.to(dtype) * inv_tau_columns
             coef = coef + scale_columns * weight_columns
+        # without a reference, a tile is the raw similarities, which log-weights may return views of
+        overwrite = ctx.log_weights[0] is None or ref_anchors is not None
         for c0, tile, log_w, log_w_columns in _tiles(anchors, candidates, ref_anchors, ref_candidates, offset,
                                                      tile_size, *ctx.log_weights):
             c1 = c0 + tile.shape[1]
@@ -246,7 +252,7 @@ class _TiledLogMeanExp(torch.autograd.Function):
                 _in_tile(inv_tau_columns, c0, tile), log_w_columns, _in_tile(lse_columns, c0, tile),
                 _in_tile(scale_columns, c0, tile))
             g = passes.fused(_tile_gradient, tile)(tile, (inv_tau, log_w, lse, scale), columns, offset, c0,
-                                                    positive, anchors.dtype)
+                                                    positive, anchors.dtype, overwrite)
             # the products with the features run in the features' dtype (16-bit: on the tensor cores)
             if need_a:
                 grad_a += product(g, candidates[c0:c1])
