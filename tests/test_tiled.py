@@ -320,31 +320,6 @@ def test_the_temperature_gradient_alone_costs_no_pairwise_pass(aggregation, inv_
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-10)
 
 
-def _autograd_nodes(tensor):
-    seen, stack = set(), [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    return seen
-
-
-@pytest.mark.parametrize('log_weight', [None, RowNormalizedLogWeight(_elementwise_log_weight)])
-@pytest.mark.parametrize('with_ref', [False, True])
-def test_the_untiled_core_keeps_one_pairwise_matrix_for_backward(with_ref, log_weight):
-    """Between forward and backward, while the model's activations are alive too, the untiled core holds d alone:
-    log-weights (ADNCE's) are evaluated again in backward, not kept beside it."""
-    anchors, candidates, inv_tau, ref_a, ref_c, _ = _inputs(14, 'per_row', with_ref)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = log_mean_exp_rows(anchors, candidates, 5, inv_tau, ref_a, ref_c, log_weight)
-    on_contexts = [item for node in _autograd_nodes(out) for value in getattr(node, '__dict__', {}).values()
-                   for item in (value if isinstance(value, (tuple, list)) else (value,)) if torch.is_tensor(item)]
-    pairwise = [t for t in saved + on_contexts if t.numel() >= B_ANCHORS * B_CANDIDATES]
-    assert [tuple(t.shape) for t in pairwise] == [(B_ANCHORS, B_CANDIDATES)]
-
-
 def test_rejects_bad_arguments():
     anchors, candidates, inv_tau, *_ = _inputs(1, 'scalar', False)
     with pytest.raises(ValueError, match='tile_size'):

@@ -22,7 +22,8 @@ class GaussianLogWeight:
         self.mu, self.sigma = mu, sigma
 
     def __call__(self, sim, positive_mask):
-        return -0.5 * ((sim - self.mu) / self.sigma) ** 2
+        # one new b×B matrix, squared and scaled in place (each new one is a fresh allocation: page faults on a CPU)
+        return (sim - self.mu).square_().mul_(-0.5 / self.sigma ** 2)
 
     def __repr__(self):
         return f'{type(self).__name__}(mu={self.mu}, sigma={self.sigma})'

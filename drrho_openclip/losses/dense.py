@@ -20,8 +20,7 @@ reference=None, negative_log_weight=None) -> (log_g_image, log_g_text)`:
 How this one spends its time. With the shift, d_ij = s_ij − s^ref_ij = [x_i, x^ref_i]·[y_j, −y^ref_j] is one matrix
 product of the concatenated features (no second b×B matrix, no subtraction pass). Forward keeps that one matrix d
 (float32) and three numbers per row (log-sum-exp, Σ_j p_ij, the τ-slope); backward recomputes the softmax from them
-and writes the gradient straight in the features' dtype, for the two products with the features. Log-weights (ADNCE's)
-are evaluated inside the passes that read them, forward and again in backward, not kept. When one process
+and writes the gradient straight in the features' dtype, for the two products with the features. When one process
 holds the whole batch both directions read the same d (the text rows are its columns), and backward writes one
 gradient for both. Everything over the b×B matrix is a pass of `passes.py`, compiled on CUDA.
 """
@@ -36,40 +35,27 @@ from .precision import autocast_disabled, product, without_autocast
 
 # ---- the call sites compiled on CUDA: the passes over d's rows, and over its columns when one process holds all ----
 
-def _log_weight(negative_log_weight, sim, offset):
-    """The candidates' constant log-weights of one direction from its raw similarities, or None. Computed inside
-    the passes that read them, forward and again in backward, so that no b×B matrix of them outlives its pass (and,
-    compiled, none is written at all: the kernel evaluates them as it streams d)."""
-    if negative_log_weight is None:
-        return None
-    return negative_log_weight(sim, passes.positive_mask(*sim.shape, offset, sim.device))
-
-
-def _statistics(shifted, sim, inv_tau, inv_tau_columns, negative_log_weight, offset, with_slope):
-    """`row_statistics` of the rows of d, and of its columns when `inv_tau_columns` is given (one process holds the
-    whole batch, offset 0). `sim`: the raw similarities the log-weights are of (d itself without a reference)."""
-    stats = passes.row_statistics(shifted, inv_tau, _log_weight(negative_log_weight, sim, offset), offset, None,
-                                  with_slope)
-    if inv_tau_columns is None:
+def _statistics(shifted, rows, columns, offset, with_slope):
+    """`row_statistics` of the rows of d, and of its columns when `columns` is given (inv_tau, log_w of the
+    candidates' side: one process holds the whole batch, offset 0)."""
+    stats = passes.row_statistics(shifted, *rows, offset, None, with_slope)
+    if columns is None:
         return stats
-    return stats + passes.row_statistics(shifted.T, inv_tau_columns, _log_weight(negative_log_weight, sim.T, 0), 0,
-                                         None, with_slope)
+    return stats + passes.row_statistics(shifted.T, *columns, 0, None, with_slope)
 
 
-def _gradient(shifted, sim, rows, columns, negative_log_weight, offset, dtype):
+def _gradient(shifted, rows, columns, offset, dtype):
     """∂/∂d of Σ upstream·log g over the rows (and columns) of d, in `dtype`, the features' (the products with the
-    features read it). `rows`, `columns`: (inv_tau, lse, weight, upstream) of each side; a positive d_ii, which every
-    ℓ̂_ij of its row subtracts, gets −upstream_i inv_tau_i Σ_j p_ij."""
-    inv_tau, lse, weight, upstream = rows
+    features read it). `rows`, `columns`: (inv_tau, log_w, lse, weight, upstream) of each side; a positive d_ii,
+    which every ℓ̂_ij of its row subtracts, gets −upstream_i inv_tau_i Σ_j p_ij."""
+    inv_tau, log_w, lse, weight, upstream = rows
     scale = upstream * inv_tau
-    grad = passes.row_gradient(shifted, inv_tau, _log_weight(negative_log_weight, sim, offset), offset, None, lse,
-                               scale)
+    grad = passes.row_gradient(shifted, inv_tau, log_w, offset, None, lse, scale)
     positive = -scale * weight
     if columns is not None:
-        inv_tau, lse, weight, upstream = columns
+        inv_tau, log_w, lse, weight, upstream = columns
         scale = upstream * inv_tau
-        grad.add_(passes.row_gradient(shifted.T, inv_tau, _log_weight(negative_log_weight, sim.T, 0), 0, None, lse,
-                                      scale).T)
+        grad.add_(passes.row_gradient(shifted.T, inv_tau, log_w, 0, None, lse, scale).T)
         positive = positive - scale * weight
     return passes.set_positives(grad, offset, positive).to(dtype)
 
@@ -92,16 +78,21 @@ class _DenseLogMeanExp(torch.autograd.Function):
                 shifted = product(anchors, candidates.T)
             else:  # s − s^ref as one product of the concatenated features
                 shifted = product(torch.cat([anchors, ref_anchors], 1), torch.cat([candidates, -ref_candidates], 1).T)
-            sim = _similarities(anchors, candidates, ref_anchors, shifted, negative_log_weight)
-            stats = passes.fused(_statistics, shifted)(shifted, sim, inv_tau, inv_tau_columns, negative_log_weight,
-                                                       offset, with_slope)
-            del sim
-        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, inv_tau, inv_tau_columns,
-                              *stats)
-        ctx.negative_log_weight, ctx.offset = negative_log_weight, offset
+            log_w = log_w_columns = None
+            if negative_log_weight is not None:  # from the raw similarities: without the shift, d itself
+                sim = shifted if ref_anchors is None else product(anchors, candidates.T)
+                log_w = negative_log_weight(sim, passes.positive_mask(*sim.shape, offset, sim.device))
+                if inv_tau_columns is not None:
+                    log_w_columns = negative_log_weight(sim.T, passes.positive_mask(*sim.T.shape, 0, sim.device))
+                del sim
+            rows = (inv_tau, log_w)
+            columns = None if inv_tau_columns is None else (inv_tau_columns, log_w_columns)
+            stats = passes.fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope)
+        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats)
+        ctx.rows, ctx.columns, ctx.offset = rows, columns, offset
         log_mean = math.log(shifted.shape[1] - 1)
         lse, _, slope = stats[:3]
-        lse_columns, _, slope_columns = stats[3:] if inv_tau_columns is not None else (lse.new_empty(0),) * 3
+        lse_columns, _, slope_columns = stats[3:] if columns is not None else (lse.new_empty(0),) * 3
         ctx.mark_non_differentiable(slope, slope_columns)
         return lse - log_mean, slope, lse_columns - log_mean, slope_columns
 
@@ -109,27 +100,16 @@ class _DenseLogMeanExp(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx, upstream, _slope, upstream_columns, _slope_columns):
-        anchors, candidates, ref_anchors, ref_candidates, shifted, inv_tau, inv_tau_columns, *stats = ctx.saved_tensors
-        rows = (inv_tau, *stats[:2], upstream)
-        columns = None if inv_tau_columns is None else (inv_tau_columns, *stats[3:5], upstream_columns)
-        sim = _similarities(anchors, candidates, ref_anchors, shifted, ctx.negative_log_weight)
-        grad = passes.fused(_gradient, shifted)(shifted, sim, rows, columns, ctx.negative_log_weight, ctx.offset,
-                                                anchors.dtype)
-        del sim
+        anchors, candidates, ref_anchors, ref_candidates, shifted, *stats = ctx.saved_tensors
+        rows = (*ctx.rows, *stats[:2], upstream)
+        columns = None if ctx.columns is None else (*ctx.columns, *stats[3:5], upstream_columns)
+        grad = passes.fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype)
         needs = ctx.needs_input_grad
         grads = (product(grad, candidates).to(anchors.dtype) if needs[0] else None,
                  product(grad.T, anchors).to(candidates.dtype) if needs[1] else None,
                  (-product(grad, ref_candidates)).to(ref_anchors.dtype) if needs[2] else None,
                  (-product(grad.T, ref_anchors)).to(ref_candidates.dtype) if needs[3] else None)
         return (*grads, None, None, None, None, None)
-
-
-def _similarities(anchors, candidates, ref_anchors, shifted, negative_log_weight):
-    """The raw similarities that log-weights are of: d itself without a reference, a product of their own with one
-    (recomputed in backward rather than kept), None without log-weights."""
-    if negative_log_weight is None or ref_anchors is None:
-        return shifted
-    return product(anchors, candidates.T)
 
 
 def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
