@@ -42,7 +42,7 @@ TARGET_NEGATIVES = DRRHO_DEFAULTS['target_negatives']
 # 0.0035-0.022 on the evidence's references at the default α, and every start from 0.0035 to 0.035 lost to
 # --loss clip wherever it was measured (docs/defaults.md, "Temperature").
 SUGGESTED_TEMPERATURE = DRRHO_DEFAULTS['temperature']
-# The full shift (α = 1) beat the default α in all 11 evidence settings where a `clip` target's recall stayed below
+# The full shift (α = 1) beat the default α in all 12 evidence settings where a `clip` target's recall stayed below
 # this fraction of the reference's, and lost in all 16 where it reached it (docs/defaults.md, "When to use the
 # paper's full shift")
 FULL_SHIFT_MAX_TARGET_FRACTION = 0.4
@@ -171,7 +171,7 @@ def verdict(r: ReferenceReport) -> List[str]:
                      f"default at batch 64.")
     if r.reference_weight < 1 or r.clip_recall is not None:
         fraction = FULL_SHIFT_MAX_TARGET_FRACTION
-        rule = (f"The paper's full shift, --reference-weight 1, did better than the default 0.25 in all 11 evidence "
+        rule = (f"The paper's full shift, --reference-weight 1, did better than the default 0.25 in all 12 evidence "
                 f"settings where a --loss clip model's mean recall stayed below {fraction:g} of the reference's on "
                 f"the same held-out pairs (1.08-2.15x its recall against 0.99-1.85x), and worse in all 16 where it "
                 f"reached that or more (near {fraction:g} mostly within a spread). Here the reference's mean recall "
