@@ -202,6 +202,17 @@ def test_row_normalized_log_weight_averages_to_one_over_negatives():
     torch.testing.assert_close(mean_w, torch.ones(4, dtype=torch.float64))
 
 
+def test_row_normalized_log_weight_leaves_the_callers_weights_alone():
+    """h may be a tensor its callable keeps (a table of weights, a view of the similarities): normalising reads it."""
+    sim = torch.randn(4, 9, dtype=torch.float64)
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    mask[torch.arange(4), torch.arange(4) + 2] = True
+    kept = torch.randn(4, 9, dtype=torch.float64)
+    before = kept.clone()
+    RowNormalizedLogWeight(lambda s, m: kept)(sim, mask)
+    assert torch.equal(kept, before)
+
+
 def test_log_weight_sees_tiles_and_the_tile_mask():
     seen = []
 

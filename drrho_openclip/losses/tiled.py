@@ -70,8 +70,7 @@ DEFAULT_TILE_SIZE = 1024
 
 
 class RowNormalizedLogWeight:
-    """Log-weights normalised per row over the negatives: log w_ij = h_ij − log mean_{j≠i} exp(h_ij), and −inf at
-    the positives, whose own weights no aggregation reads.
+    """Log-weights normalised per row over the negatives: log w_ij = h_ij − log mean_{j≠i} exp(h_ij).
 
     `log_weight(sim, positive_mask) -> h` must be row-separable per tile (see the module docstring). On a whole
     [b, B] row block the instance returns the normalised log-weights (what the untiled core needs); the tiled
@@ -83,14 +82,10 @@ class RowNormalizedLogWeight:
 
     def __call__(self, sim: torch.Tensor, positive_mask: torch.Tensor) -> torch.Tensor:
         h = self.log_weight(sim, positive_mask)
-        # eager, h is masked in place, not copied (a b×B matrix less beside logsumexp's own), unless it is the
-        # similarities or a view of them, or broadcasts
-        if (torch.compiler.is_compiling() or h.shape != sim.shape
-                or h.untyped_storage().data_ptr() == sim.untyped_storage().data_ptr()):
-            h = h.masked_fill(positive_mask, float('-inf'))
-        else:
-            h.masked_fill_(positive_mask, float('-inf'))
-        return h.sub_(torch.logsumexp(h, dim=1, keepdim=True) - math.log(sim.shape[1] - 1))
+        # h is the caller's (it may be a view of the similarities, a broadcast, or kept elsewhere): not written to;
+        # the masked copy is a temporary of this line, gone before the result is allocated
+        log_sum = torch.logsumexp(h.masked_fill(positive_mask, float('-inf')), dim=1, keepdim=True)
+        return h - (log_sum - math.log(sim.shape[1] - 1))
 
     def __repr__(self):
         return f'{type(self).__name__}({self.log_weight!r})'
