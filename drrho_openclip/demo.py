@@ -1,10 +1,13 @@
 """The embedded default job: DRRho-CLIP end to end on procedurally drawn shapes, on a CPU, with no download.
 
-    python -m drrho_openclip.demo [--workdir DIR] [--epochs N] [--verbose]
+    python -m drrho_openclip.demo [--workdir DIR] [--epochs N] [--seed S] [--verbose]
 
 1. draws coloured shapes with compositional captions ("a small red circle on a light background") into three
    disjoint CSV splits: the reference model's training set, the target's training set and a test set;
-2. trains a tiny reference CLIP on its split with `--loss clip` (OpenCLIP's own training, `open_clip_train.main`);
+2. trains a tiny reference CLIP on its split with `--loss clip` (OpenCLIP's own training, `open_clip_train.main`).
+   As a public reference model has seen more than the target will, it gets four times the target's pairs and twice
+   its epochs (eight times its steps) by default: steering pays when the reference knows more than the target can
+   learn on its own (a reference trained like the target is no better than it, and the shift then costs accuracy);
 3. precomputes the reference features of the target's training split (`drrho_openclip.precompute`);
 4. trains the target on its split with `--loss drrho --ref-features ...`,
 5. and with `--loss clip` for comparison;
@@ -206,11 +209,11 @@ class TrainingRun:
     """One `open_clip_train.main` run: its progress bar advances with the logged steps, its loss per step is kept,
     and when it ends every epoch's checkpoint is scored (then all but the last are deleted: ~40 MB each)."""
 
-    def __init__(self, number, name, label, data_args, args, extra=()):
-        self.stage, self.name, self.label, self.args = f'{number} {label}', name, label, args
-        self.argv = train_args(args.model, data_args, args.logs, name, epochs=args.epochs,
-                               batch_size=args.batch_size, lr=args.lr, extra=extra)
-        self.steps_per_epoch = args.samples // args.batch_size  # OpenCLIP drops the last partial batch
+    def __init__(self, number, name, label, data_args, args, *, samples, epochs, extra=()):
+        self.stage, self.name, self.label, self.args, self.epochs = f'{number} {label}', name, label, args, epochs
+        self.argv = train_args(args.model, data_args, args.logs, name, epochs=epochs, batch_size=args.batch_size,
+                               lr=args.lr, seed=args.seed, extra=extra)
+        self.steps_per_epoch = samples // args.batch_size  # OpenCLIP drops the last partial batch
         self.loss = []  # (step, loss) per logged step
         self.accuracy = []  # after each epoch
 
@@ -219,7 +222,7 @@ class TrainingRun:
         return self.args.logs / self.name / 'checkpoints'
 
     def run(self, test_set):
-        bar = progress_bar(self.stage, self.args.epochs * self.steps_per_epoch, 'steps', self.args.verbose)
+        bar = progress_bar(self.stage, self.epochs * self.steps_per_epoch, 'steps', self.args.verbose)
 
         def on_line(line):
             logged = TRAIN_LOG_LINE.search(line)
@@ -233,11 +236,11 @@ class TrainingRun:
         run_logged([sys.executable, '-m', 'open_clip_train.main', *self.argv],
                    self.args.logs / self.name / 'console.log', self.args.verbose, on_line)
         model, tokenizer, images, labels = test_set
-        for epoch in range(1, self.args.epochs + 1):
+        for epoch in range(1, self.epochs + 1):
             checkpoint = self.checkpoints / f'epoch_{epoch}.pt'
             self.accuracy.append(zero_shot_accuracy(load_weights(model, checkpoint), tokenizer, images, labels,
                                                     shape_classes()))
-            if epoch < self.args.epochs:
+            if epoch < self.epochs:
                 checkpoint.unlink()
         bar.set_postfix_str(f'loss {self.loss[-1][1]:.3g}, zero-shot top-1 {self.accuracy[-1]:.1%}')
         bar.close()
@@ -302,8 +305,9 @@ def plot_diagnostics(path: Path, run_dir: Path):
     plt.close(fig)
 
 
-def report(root: Path, reference, targets):
-    """The table of the final zero-shot accuracies, results.json, and the figure (when matplotlib is installed)."""
+def report(root: Path, reference, targets, setting: dict):
+    """The table of the final zero-shot accuracies, results.json (with the run's `setting`: seed, sizes), and the
+    figure (when matplotlib is installed)."""
     chance = 1 / len(zero_shot_classes())
     results = {'reference (clip, its own split)': reference.accuracy[-1],
                'target, --loss drrho': targets[0].accuracy[-1], 'target, --loss clip': targets[1].accuracy[-1]}
@@ -311,7 +315,7 @@ def report(root: Path, reference, targets):
     for name, accuracy in results.items():
         print(f"{name:<34} {accuracy:.1%}")
     (root / 'results.json').write_text(json.dumps({
-        'zero_shot_top1': results, 'test_images': TEST_SAMPLES, 'chance': chance,
+        'zero_shot_top1': results, 'test_images': TEST_SAMPLES, 'chance': chance, 'setting': setting,
         'top1_per_epoch': {run.name: run.accuracy for run in (reference, *targets)},
         'loss_per_step': {run.name: run.loss for run in (reference, *targets)}}, indent=1))
     try:
@@ -325,17 +329,32 @@ def report(root: Path, reference, targets):
     print(f"results: {root / 'results.json'}\nlogs:    {root / 'logs'}/")
 
 
+def setting(args) -> dict:
+    """What decides a run's results (results.json keeps it): the seed, the data's and the training's sizes."""
+    return {flag: getattr(args, flag) for flag in
+            ('seed', 'samples', 'epochs', 'reference_samples', 'reference_epochs', 'batch_size', 'lr')}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='drrho-openclip-demo', description=__doc__.split('\n')[0])
     p.add_argument('--workdir', default='drrho-demo', help='where data, features and runs go (default: %(default)s)')
-    p.add_argument('--epochs', type=int, default=8)
-    p.add_argument('--samples', type=int, default=2048, help='training pairs per split')
+    p.add_argument('--epochs', type=int, default=8, help="the targets' epochs (default: %(default)s)")
+    p.add_argument('--samples', type=int, default=2048, help="the targets' training pairs (default: %(default)s)")
+    p.add_argument('--reference-samples', type=int,
+                   help="the reference's training pairs, drawn apart from the targets' (default: 4 x --samples)")
+    p.add_argument('--reference-epochs', type=int, help="the reference's epochs (default: 2 x --epochs)")
+    p.add_argument('--seed', type=int, default=0,
+                   help='training seed of the three runs; the drawn data stays the same (default: %(default)s)')
     p.add_argument('--batch-size', type=int, default=128)
     p.add_argument('--lr', type=float, default=5e-3)
     p.add_argument('--verbose', action='store_true', help="show the commands' full output (OpenCLIP's logs)")
     args = p.parse_args(argv)
-    if args.samples < args.batch_size:
-        p.error(f'--samples {args.samples} is less than one batch (--batch-size {args.batch_size})')
+    args.reference_samples = args.reference_samples or 4 * args.samples
+    args.reference_epochs = args.reference_epochs or 2 * args.epochs
+    for flag in ('samples', 'reference_samples'):
+        if getattr(args, flag) < args.batch_size:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is less than one batch "
+                    f"(--batch-size {args.batch_size})")
     return args
 
 
@@ -347,8 +366,9 @@ def main(argv=None):
         raise SystemExit(f"{args.logs} exists: pick a new --workdir (runs are never overwritten)")
     print(f"DRRho-CLIP demo in {root}; full logs in {args.logs}/", flush=True)
     data = root / 'data'
-    stage = progress_bar('[1/5] drawing shapes', 2 * args.samples + TEST_SAMPLES, 'images', args.verbose)
-    ref_csv = make_split(data, 'reference_train', args.samples, seed=1, progress=stage)
+    stage = progress_bar('[1/5] drawing shapes', args.reference_samples + args.samples + TEST_SAMPLES, 'images',
+                         args.verbose)
+    ref_csv = make_split(data, 'reference_train', args.reference_samples, seed=1, progress=stage)
     train_csv = make_split(data, 'train', args.samples, seed=2, progress=stage)
     test_csv = make_split(data, 'test', TEST_SAMPLES, seed=3, progress=stage)
     stage.close()
@@ -356,9 +376,10 @@ def main(argv=None):
     model, preprocess, tokenizer = untrained_model(args.model)
     test_set = (model, tokenizer, *labelled_images(test_csv, preprocess))
 
-    reference = TrainingRun('[2/5]', 'reference', 'reference model, --loss clip', csv_data_args(ref_csv), args)
+    reference = TrainingRun('[2/5]', 'reference', 'reference model, --loss clip', csv_data_args(ref_csv), args,
+                            samples=args.reference_samples, epochs=args.reference_epochs)
     reference.run(test_set)
-    reference_checkpoint = reference.checkpoints / f'epoch_{args.epochs}.pt'
+    reference_checkpoint = reference.checkpoints / f'epoch_{args.reference_epochs}.pt'
 
     features = root / 'ref_features'
     stage = progress_bar('[3/5] reference features', args.samples, 'samples', args.verbose)
@@ -376,12 +397,14 @@ def main(argv=None):
     # the drrho run also logs to TensorBoard when it is installed (the test extra has it): diagnostics.png
     tensorboard = ['--report-to', 'tensorboard'] if importlib.util.find_spec('tensorboard') else []
     targets = [TrainingRun('[4/5]', 'drrho', 'target, --loss drrho', csv_data_args(train_csv), args,
-                           ['--loss', 'drrho', '--ref-features', features, *tensorboard]),
-               TrainingRun('[5/5]', 'clip', 'target, --loss clip', csv_data_args(train_csv), args)]
+                           samples=args.samples, epochs=args.epochs,
+                           extra=['--loss', 'drrho', '--ref-features', features, *tensorboard]),
+               TrainingRun('[5/5]', 'clip', 'target, --loss clip', csv_data_args(train_csv), args,
+                           samples=args.samples, epochs=args.epochs)]
     for run in targets:
         run.run(test_set)
 
-    report(root, reference, targets)
+    report(root, reference, targets, setting(args))
     return 0
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 BENCHMARKS = Path(__file__).resolve().parents[1] / 'benchmarks'
 sys.path.insert(0, str(BENCHMARKS))
 
+import demo_seeds  # noqa: E402
 import replication  # noqa: E402
 import scaling_law  # noqa: E402
 
@@ -64,6 +65,19 @@ def direct_per_sample_losses(image, text, scale, batch):
             i2t.append(math.log(sum(math.exp(v) for v in row)) - row[a])
             t2i.append(math.log(sum(math.exp(v) for v in col)) - col[a])
     return np.array(i2t), np.array(t2i)
+
+
+def test_demo_seeds_pairs_drrho_with_clip_by_seed():
+    def run(seed, reference, drrho, clip):
+        return {'setting': {'seed': seed}, 'zero_shot_top1': {
+            'reference (clip, its own split)': reference, 'target, --loss drrho': drrho, 'target, --loss clip': clip}}
+    summary = demo_seeds.summarize([run(0, 0.8, 0.30, 0.20), run(1, 0.9, 0.25, 0.30), run(2, 0.7, 0.40, 0.25)])
+    assert summary['seeds'] == [0, 1, 2]
+    assert summary['top1']['drrho'] == pytest.approx([30, 25, 40])
+    assert summary['mean_std']['reference'] == '80.0 ± 10.0'
+    assert summary['drrho_minus_clip'] == '6.7 ± 10.4'  # +10, -5, +15
+    assert summary['drrho_above_clip'] == 2
+    assert summary['drrho_over_clip'] == pytest.approx(95 / 75)
 
 
 def test_rho_variance_matches_a_direct_computation():

@@ -15,7 +15,7 @@ PNG = b'\x89PNG\r\n\x1a\n'
 def test_the_demo_prints_a_line_per_stage_a_table_and_the_figure(tmp_path):
     work = tmp_path / 'demo'
     result = subprocess.run([sys.executable, '-m', 'drrho_openclip.demo', '--workdir', work, '--epochs', '2',
-                             '--samples', '256', '--batch-size', '64'], capture_output=True, env=ENV)
+                             '--samples', '256', '--batch-size', '64', '--seed', '5'], capture_output=True, env=ENV)
     # bytes: text mode would turn the progress bars' in-place redraws ('\r') into lines
     stdout, terminal = result.stdout.decode(), (result.stdout + result.stderr).decode()
     assert result.returncode == 0, terminal[-3000:]
@@ -31,12 +31,18 @@ def test_the_demo_prints_a_line_per_stage_a_table_and_the_figure(tmp_path):
     assert f"{work / 'diagnostics.png'} (the drrho run's diagnostics, from TensorBoard)" in stdout
     assert (work / 'diagnostics.png').read_bytes().startswith(PNG)
     results = json.loads((work / 'results.json').read_text())
+    # the reference has seen more than the targets: 4x their pairs (drawn apart from theirs), 2x their epochs
+    assert results['setting'] == {'seed': 5, 'samples': 256, 'epochs': 2, 'reference_samples': 1024,
+                                  'reference_epochs': 4, 'batch_size': 64, 'lr': 5e-3}
+    assert len((work / 'data' / 'reference_train.csv').read_text().splitlines()) == 1 + 1024
     assert {name: len(curve) for name, curve in results['top1_per_epoch'].items()} == \
-        {'reference': 2, 'drrho': 2, 'clip': 2}
+        {'reference': 4, 'drrho': 2, 'clip': 2}
     assert [step for step, _ in results['loss_per_step']['drrho']] == list(range(1, 9))  # 2 epochs x 4 steps
-    for run in ('reference', 'drrho', 'clip'):
+    assert [step for step, _ in results['loss_per_step']['reference']] == list(range(1, 65))  # 4 epochs x 16
+    for run, last_epoch in (('reference', 4), ('drrho', 2), ('clip', 2)):
         assert 'Train Epoch: 1' in (work / 'logs' / run / 'console.log').read_text()
-        assert sorted(p.name for p in (work / 'logs' / run / 'checkpoints').iterdir()) == ['epoch_2.pt']
+        assert 'seed: 5' in (work / 'logs' / run / 'params.txt').read_text().splitlines()
+        assert sorted(p.name for p in (work / 'logs' / run / 'checkpoints').iterdir()) == [f'epoch_{last_epoch}.pt']
     assert 'wrote reference features of 256 samples' in (work / 'logs' / 'precompute' / 'console.log').read_text()
 
 
@@ -64,8 +70,9 @@ def test_without_matplotlib_the_table_is_still_printed(tmp_path, capsys, monkeyp
     run = lambda name, label, accuracy: SimpleNamespace(name=name, label=label, accuracy=[0.1, accuracy],
                                                         loss=[(1, 3.0), (2, 2.0)])
     demo.report(tmp_path, run('reference', 'reference', 0.5),
-                [run('drrho', 'target, --loss drrho', 0.4), run('clip', 'target, --loss clip', 0.3)])
+                [run('drrho', 'target, --loss drrho', 0.4), run('clip', 'target, --loss clip', 0.3)], {'seed': 3})
     out = capsys.readouterr().out
     assert 'target, --loss drrho               40.0%' in out and 'target, --loss clip                30.0%' in out
     assert 'figure:  not drawn, matplotlib is not installed (pip install matplotlib)' in out
-    assert not (tmp_path / 'accuracy.png').exists() and (tmp_path / 'results.json').exists()
+    assert not (tmp_path / 'accuracy.png').exists()
+    assert json.loads((tmp_path / 'results.json').read_text())['setting'] == {'seed': 3}
