@@ -349,8 +349,13 @@ def parse_args(argv=None):
     p.add_argument('--lr', type=float, default=5e-3)
     p.add_argument('--verbose', action='store_true', help="show the commands' full output (OpenCLIP's logs)")
     args = p.parse_args(argv)
-    args.reference_samples = args.reference_samples or 4 * args.samples
-    args.reference_epochs = args.reference_epochs or 2 * args.epochs
+    if args.reference_samples is None:
+        args.reference_samples = 4 * args.samples
+    if args.reference_epochs is None:
+        args.reference_epochs = 2 * args.epochs
+    for flag in ('epochs', 'reference_epochs'):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     for flag in ('samples', 'reference_samples'):
         if getattr(args, flag) < args.batch_size:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is less than one batch "

@@ -76,3 +76,22 @@ def test_without_matplotlib_the_table_is_still_printed(tmp_path, capsys, monkeyp
     assert 'figure:  not drawn, matplotlib is not installed (pip install matplotlib)' in out
     assert not (tmp_path / 'accuracy.png').exists()
     assert json.loads((tmp_path / 'results.json').read_text())['setting'] == {'seed': 3}
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--reference-samples', '0'], '--reference-samples 0 is less than one batch (--batch-size 128)'),
+    (['--samples', '64'], '--samples 64 is less than one batch (--batch-size 128)'),
+    (['--reference-epochs', '0'], '--reference-epochs must be at least 1, not 0'),
+    (['--epochs', '-1'], '--epochs must be at least 1, not -1')])
+def test_the_demo_refuses_sizes_it_cannot_train_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        demo.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_the_reference_defaults_to_four_times_the_pairs_and_twice_the_epochs():
+    args = demo.parse_args(['--samples', '512', '--epochs', '3', '--seed', '7'])
+    assert demo.setting(args) == {'seed': 7, 'samples': 512, 'epochs': 3, 'reference_samples': 2048,
+                                  'reference_epochs': 6, 'batch_size': 128, 'lr': 5e-3}
+    given = demo.setting(demo.parse_args(['--reference-samples', '256', '--reference-epochs', '1']))
+    assert (given['reference_samples'], given['reference_epochs']) == (256, 1)
