@@ -1,19 +1,23 @@
 """The README's demo at several training seeds: is its one-seed table what the setting gives?
 
-    python benchmarks/demo_seeds.py [--seeds 0 1 2] [demo flags, e.g. --epochs 4]
+    python benchmarks/demo_seeds.py [--seeds 0 1 2] [--variants 'drrho --reference-weight 1' ...] [demo flags]
 
 Runs `python -m drrho_openclip.demo --seed S` once per seed, each in its own workdir under
-`benchmarks/results/tmp/<output name>/` (the drawn data is the same for every seed; the seed changes the reference's
+`benchmarks/results/tmp/<output name>/` (or `--workdirs`) (the drawn data is the same for every seed; the seed changes the reference's
 and both targets' training; a seed whose workdir holds the results of the same setting is read, not run again), and
 reports the zero-shot top-1 of the reference, the default `drrho` target and the `clip`
 target: mean ± standard deviation over the seeds, and `drrho` − `clip` paired by seed with the number of seeds where
-`drrho` is above. About 3.5 min a seed on the project's 2 CPU cores.
+`drrho` is above. About 3.5 min a seed on the project's 2 CPU cores. `--variants` trains more targets on each seed's
+data and reference features, with the same seed and sizes: a loss and its flags each (one that reads the reference
+features: `drrho ...`, `clip --distill-weight λ`), 20 s each, reported beside the demo's two.
 Writes `results/demo_seeds.{md,json}` (or `--output`).
 """
 import argparse
 import json
 import os
 import platform
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -30,24 +34,58 @@ def spread(values) -> str:
     return f"{statistics.mean(values):.1f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.1f}"
 
 
-def summarize(runs: list) -> dict:
-    """Per model the zero-shot top-1 (%) of each run's results.json, mean ± std, and drrho − clip paired by seed."""
+def summarize(runs: list, variants: dict = None) -> dict:
+    """Per model the zero-shot top-1 (%) of each run's results.json (and of each variant: {flags: [top-1 per run]}),
+    mean ± std, and each target's difference from `clip` paired by seed: mean ± std, seeds above, ratio of means."""
     top1 = {model: [100 * run['zero_shot_top1'][key] for run in runs] for model, key in MODELS.items()}
-    gain = [d - c for d, c in zip(top1['drrho'], top1['clip'])]
+    top1.update({flags: [100 * a for a in accuracies] for flags, accuracies in (variants or {}).items()})
+    against_clip = {}
+    for model, values in top1.items():
+        if model in ('reference', 'clip'):
+            continue
+        gain = [v - c for v, c in zip(values, top1['clip'])]
+        against_clip[model] = dict(minus_clip=spread(gain), above_clip=sum(g > 0 for g in gain),
+                                   over_clip=statistics.mean(values) / statistics.mean(top1['clip']))
     return dict(seeds=[run['setting']['seed'] for run in runs], top1=top1,
-                mean_std={model: spread(values) for model, values in top1.items()},
-                drrho_minus_clip=spread(gain), drrho_above_clip=sum(g > 0 for g in gain),
-                drrho_over_clip=statistics.mean(top1['drrho']) / statistics.mean(top1['clip']))
+                mean_std={model: spread(values) for model, values in top1.items()}, against_clip=against_clip)
+
+
+def train_variant(workdir: Path, setting: dict, flags: str) -> float:
+    """Zero-shot top-1 of a target trained with `flags` ('drrho --reference-weight 1') on the demo run in `workdir`:
+    its data, tiny model and reference features, its seed and sizes; a finished variant is scored, not rerun."""
+    loss, *loss_flags = shlex.split(flags)
+    name = 'variant_' + re.sub(r'[^A-Za-z0-9.]+', '_', flags)
+    checkpoints = workdir / 'logs' / name / 'checkpoints'
+    last = checkpoints / f"epoch_{setting['epochs']}.pt"
+    model_name = f"local-dir:{workdir / 'tiny_model'}"
+    if not last.exists():
+        if checkpoints.parent.exists():
+            raise SystemExit(f'{checkpoints.parent} holds an unfinished run: remove it')
+        argv = demo.train_args(model_name, demo.csv_data_args(workdir / 'data' / 'train.csv'), workdir / 'logs', name,
+                               epochs=setting['epochs'], batch_size=setting['batch_size'], lr=setting['lr'],
+                               seed=setting['seed'],
+                               extra=['--loss', loss, *loss_flags, '--ref-features', workdir / 'ref_features'])
+        demo.run_logged([sys.executable, '-m', 'open_clip_train.main', *argv],
+                        checkpoints.parent / 'console.log', verbose=False)
+        for checkpoint in checkpoints.glob('epoch_*.pt'):  # ~40 MB each; the last is scored
+            if checkpoint != last:
+                checkpoint.unlink()
+    model, preprocess, tokenizer = demo.untrained_model(model_name)
+    images, labels = demo.labelled_images(workdir / 'data' / 'test.csv', preprocess)
+    return demo.zero_shot_accuracy(demo.load_weights(model, last), tokenizer, images, labels, demo.shape_classes())
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
     p.add_argument('--output', type=Path, default=RESULTS / 'demo_seeds')
+    p.add_argument('--workdirs', type=Path, help="the seeds' demo workdirs (default: results/tmp/<output's name>)")
+    p.add_argument('--variants', nargs='+', default=[], metavar='LOSS_AND_FLAGS',
+                   help="more targets, e.g. 'drrho --reference-weight 1' 'drrho --distill-weight 0.5'")
     args, demo_flags = p.parse_known_args(argv)
-    runs = []
+    runs, variants = [], {flags: [] for flags in args.variants}
     for seed in args.seeds:
-        workdir = RESULTS / 'tmp' / args.output.name / f'seed{seed}'
+        workdir = (args.workdirs or RESULTS / 'tmp' / args.output.name) / f'seed{seed}'
         setting = demo.setting(demo.parse_args([*demo_flags, '--seed', str(seed)]))
         done = workdir / 'results.json'
         if done.exists() and json.loads(done.read_text())['setting'] == setting:
@@ -60,20 +98,26 @@ def main(argv=None):
             subprocess.run([sys.executable, '-m', 'drrho_openclip.demo', '--workdir', str(workdir), '--seed',
                             str(seed), *demo_flags], check=True, stdout=subprocess.DEVNULL)
         runs.append(json.loads(done.read_text()))
-    summary = summarize(runs)
+        for flags, accuracies in variants.items():
+            accuracies.append(train_variant(workdir, setting, flags))
+            print(f'seed {seed}: {flags} {accuracies[-1]:.1%}', flush=True)
+    summary = summarize(runs, variants)
     setting = {k: v for k, v in runs[0]['setting'].items() if k != 'seed'}
-    report = dict(summary, setting=setting, demo_flags=demo_flags, test_images=runs[0]['test_images'],
+    report = dict(summary, setting=setting, demo_flags=demo_flags, variants=args.variants,
+                  test_images=runs[0]['test_images'],
                   machine=f'{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}')
     lines = [f"# The demo at {len(args.seeds)} seeds",
              '', f"`python -m drrho_openclip.demo --seed S {' '.join(demo_flags)}` for S in {summary['seeds']}; "
                  f"setting {setting}; zero-shot top-1 (%) on {report['test_images']} test images; {report['machine']}.",
-             '', '| model | ' + ' | '.join(f'seed {s}' for s in summary['seeds']) + ' | mean ± std |',
-             '|---|' + '---:|' * (len(summary['seeds']) + 1)]
-    lines += [f"| {MODELS[model]} | " + ' | '.join(f'{v:.1f}' for v in values) + f" | {summary['mean_std'][model]} |"
-              for model, values in summary['top1'].items()]
-    lines += ['', f"`drrho` − `clip`, paired by seed: {summary['drrho_minus_clip']} points, `drrho` above in "
-                  f"{summary['drrho_above_clip']} of {len(summary['seeds'])} seeds; `drrho` at "
-                  f"{summary['drrho_over_clip']:.2f}× `clip`'s mean top-1."]
+             '', '| model | ' + ' | '.join(f'seed {s}' for s in summary['seeds'])
+             + ' | mean ± std | − `clip`, paired (seeds above) | × `clip` |',
+             '|---|' + '---:|' * (len(summary['seeds']) + 3)]
+    for model, values in summary['top1'].items():
+        versus = summary['against_clip'].get(model)
+        lines.append(f"| {MODELS.get(model, 'target, --loss ' + model)} | " + ' | '.join(f'{v:.1f}' for v in values)
+                     + f" | {summary['mean_std'][model]} | "
+                     + (f"{versus['minus_clip']} ({versus['above_clip']} of {len(values)}) | "
+                        f"{versus['over_clip']:.2f}× |" if versus else ' | |'))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix('.md').write_text('\n'.join(lines) + '\n')
     args.output.with_suffix('.json').write_text(json.dumps(report, indent=1))

@@ -71,13 +71,16 @@ def test_demo_seeds_pairs_drrho_with_clip_by_seed():
     def run(seed, reference, drrho, clip):
         return {'setting': {'seed': seed}, 'zero_shot_top1': {
             'reference (clip, its own split)': reference, 'target, --loss drrho': drrho, 'target, --loss clip': clip}}
-    summary = demo_seeds.summarize([run(0, 0.8, 0.30, 0.20), run(1, 0.9, 0.25, 0.30), run(2, 0.7, 0.40, 0.25)])
+    summary = demo_seeds.summarize([run(0, 0.8, 0.30, 0.20), run(1, 0.9, 0.25, 0.30), run(2, 0.7, 0.40, 0.25)],
+                                   {'drrho --reference-weight 1': [0.2, 0.35, 0.3]})
     assert summary['seeds'] == [0, 1, 2]
     assert summary['top1']['drrho'] == pytest.approx([30, 25, 40])
     assert summary['mean_std']['reference'] == '80.0 ± 10.0'
-    assert summary['drrho_minus_clip'] == '6.7 ± 10.4'  # +10, -5, +15
-    assert summary['drrho_above_clip'] == 2
-    assert summary['drrho_over_clip'] == pytest.approx(95 / 75)
+    assert set(summary['against_clip']) == {'drrho', 'drrho --reference-weight 1'}
+    drrho, full_shift = summary['against_clip']['drrho'], summary['against_clip']['drrho --reference-weight 1']
+    assert (drrho['minus_clip'], drrho['above_clip']) == ('6.7 ± 10.4', 2)  # +10, -5, +15
+    assert drrho['over_clip'] == pytest.approx(95 / 75)
+    assert (full_shift['minus_clip'], full_shift['above_clip']) == ('3.3 ± 2.9', 2)  # 0, +5, +5
 
 
 def test_rho_variance_matches_a_direct_computation():
