@@ -3,13 +3,13 @@
     python benchmarks/demo_seeds.py [--seeds 0 1 2] [--variants 'drrho --reference-weight 1' ...] [demo flags]
 
 Runs `python -m drrho_openclip.demo --seed S` once per seed, each in its own workdir under
-`benchmarks/results/tmp/<output name>/` (or `--workdirs`) (the drawn data is the same for every seed; the seed changes the reference's
-and both targets' training; a seed whose workdir holds the results of the same setting is read, not run again), and
-reports the zero-shot top-1 of the reference, the default `drrho` target and the `clip`
-target: mean ± standard deviation over the seeds, and `drrho` − `clip` paired by seed with the number of seeds where
-`drrho` is above. About 3.5 min a seed on the project's 2 CPU cores. `--variants` trains more targets on each seed's
-data and reference features, with the same seed and sizes: a loss and its flags each (one that reads the reference
-features: `drrho ...`, `clip --distill-weight λ`), 20 s each, reported beside the demo's two.
+`benchmarks/results/tmp/<output's name>/` or `--workdirs`; a workdir that holds the results of the same setting is
+read, not run again. The drawn data is the same for every seed; the seed changes the reference's and both targets'
+training. Reported: the zero-shot top-1 of the reference and of each target, mean ± standard deviation over the
+seeds, and each target's difference from the `clip` target paired by seed, with the number of seeds where it is
+above. About 3.5 min a seed on the project's 2 CPU cores. `--variants` trains more targets on each seed's data and
+reference features, with the same seed and sizes: a loss and its flags each, one that reads the reference features
+(`drrho ...`, `clip --distill-weight λ`); about 25 s each.
 Writes `results/demo_seeds.{md,json}` (or `--output`).
 """
 import argparse
@@ -107,7 +107,7 @@ def main(argv=None):
                   test_images=runs[0]['test_images'],
                   machine=f'{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}')
     lines = [f"# The demo at {len(args.seeds)} seeds",
-             '', f"`python -m drrho_openclip.demo --seed S {' '.join(demo_flags)}` for S in {summary['seeds']}; "
+             '', f"`{shlex.join(['python', '-m', 'drrho_openclip.demo', '--seed', 'S', *demo_flags])}` for S in {summary['seeds']}; "
                  f"setting {setting}; zero-shot top-1 (%) on {report['test_images']} test images; {report['machine']}.",
              '', '| model | ' + ' | '.join(f'seed {s}' for s in summary['seeds'])
              + ' | mean ± std | − `clip`, paired (seeds above) | × `clip` |',
@@ -117,7 +117,7 @@ def main(argv=None):
         lines.append(f"| {MODELS.get(model, 'target, --loss ' + model)} | " + ' | '.join(f'{v:.1f}' for v in values)
                      + f" | {summary['mean_std'][model]} | "
                      + (f"{versus['minus_clip']} ({versus['above_clip']} of {len(values)}) | "
-                        f"{versus['over_clip']:.2f}× |" if versus else ' | |'))
+                        f"{versus['over_clip']:.2f}× |" if versus else '– | – |'))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix('.md').write_text('\n'.join(lines) + '\n')
     args.output.with_suffix('.json').write_text(json.dumps(report, indent=1))
