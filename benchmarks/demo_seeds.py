@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from drrho_openclip import demo
 
@@ -50,29 +51,32 @@ def summarize(runs: list, variants: dict = None) -> dict:
                 mean_std={model: spread(values) for model, values in top1.items()}, against_clip=against_clip)
 
 
-def train_variant(workdir: Path, setting: dict, flags: str) -> float:
-    """Zero-shot top-1 of a target trained with `flags` ('drrho --reference-weight 1') on the demo run in `workdir`:
-    its data, tiny model and reference features, its seed and sizes; a finished variant is scored, not rerun."""
+def test_set(workdir: Path) -> tuple:
+    """The demo's scoring inputs for the run in `workdir`: (its tiny model, tokenizer, test images, labels)."""
+    model, preprocess, tokenizer = demo.untrained_model(f"local-dir:{workdir / 'tiny_model'}")
+    return (model, tokenizer, *demo.labelled_images(workdir / 'data' / 'test.csv', preprocess))
+
+
+def train_variant(workdir: Path, setting: dict, flags: str, scoring: tuple) -> float:
+    """Zero-shot top-1 of a target trained with `flags` ('drrho --reference-weight 1') as the demo trains its own
+    (`demo.TrainingRun`) on the run in `workdir`: its data, tiny model and reference features, its seed and sizes;
+    `scoring` is `test_set(workdir)`. A finished variant is scored, not rerun."""
     loss, *loss_flags = shlex.split(flags)
     name = 'variant_' + re.sub(r'[^A-Za-z0-9.]+', '_', flags)
-    checkpoints = workdir / 'logs' / name / 'checkpoints'
-    last = checkpoints / f"epoch_{setting['epochs']}.pt"
-    model_name = f"local-dir:{workdir / 'tiny_model'}"
-    if not last.exists():
-        if checkpoints.parent.exists():
-            raise SystemExit(f'{checkpoints.parent} holds an unfinished run: remove it')
-        argv = demo.train_args(model_name, demo.csv_data_args(workdir / 'data' / 'train.csv'), workdir / 'logs', name,
-                               epochs=setting['epochs'], batch_size=setting['batch_size'], lr=setting['lr'],
-                               seed=setting['seed'],
-                               extra=['--loss', loss, *loss_flags, '--ref-features', workdir / 'ref_features'])
-        demo.run_logged([sys.executable, '-m', 'open_clip_train.main', *argv],
-                        checkpoints.parent / 'console.log', verbose=False)
-        for checkpoint in checkpoints.glob('epoch_*.pt'):  # ~40 MB each; the last is scored
-            if checkpoint != last:
-                checkpoint.unlink()
-    model, preprocess, tokenizer = demo.untrained_model(model_name)
-    images, labels = demo.labelled_images(workdir / 'data' / 'test.csv', preprocess)
-    return demo.zero_shot_accuracy(demo.load_weights(model, last), tokenizer, images, labels, demo.shape_classes())
+    args = SimpleNamespace(model=f"local-dir:{workdir / 'tiny_model'}", logs=workdir / 'logs', verbose=False,
+                           **setting)
+    data = demo.csv_data_args(workdir / 'data' / 'train.csv')
+    run = demo.TrainingRun(f'seed {setting["seed"]}:', name, flags, data, args, samples=setting['samples'],
+                           epochs=setting['epochs'],
+                           extra=['--loss', loss, *loss_flags, '--ref-features', workdir / 'ref_features'])
+    last = run.checkpoints / f"epoch_{setting['epochs']}.pt"
+    if last.exists():
+        model, tokenizer, images, labels = scoring
+        return demo.zero_shot_accuracy(demo.load_weights(model, last), tokenizer, images, labels,
+                                       demo.shape_classes())
+    if run.checkpoints.parent.exists():
+        raise SystemExit(f'{run.checkpoints.parent} holds an unfinished run: remove it')
+    return run.run(scoring).accuracy[-1]
 
 
 def main(argv=None):
@@ -98,17 +102,19 @@ def main(argv=None):
             subprocess.run([sys.executable, '-m', 'drrho_openclip.demo', '--workdir', str(workdir), '--seed',
                             str(seed), *demo_flags], check=True, stdout=subprocess.DEVNULL)
         runs.append(json.loads(done.read_text()))
+        scoring = test_set(workdir) if variants else None
         for flags, accuracies in variants.items():
-            accuracies.append(train_variant(workdir, setting, flags))
+            accuracies.append(train_variant(workdir, setting, flags, scoring))
             print(f'seed {seed}: {flags} {accuracies[-1]:.1%}', flush=True)
     summary = summarize(runs, variants)
-    setting = {k: v for k, v in runs[0]['setting'].items() if k != 'seed'}
-    report = dict(summary, setting=setting, demo_flags=demo_flags, variants=args.variants,
+    common = {k: v for k, v in runs[0]['setting'].items() if k != 'seed'}
+    report = dict(summary, setting=common, demo_flags=demo_flags, variants=args.variants,
                   test_images=runs[0]['test_images'],
                   machine=f'{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}')
+    command = shlex.join(['python', '-m', 'drrho_openclip.demo', '--seed', 'S', *demo_flags])
     lines = [f"# The demo at {len(args.seeds)} seeds",
-             '', f"`{shlex.join(['python', '-m', 'drrho_openclip.demo', '--seed', 'S', *demo_flags])}` for S in {summary['seeds']}; "
-                 f"setting {setting}; zero-shot top-1 (%) on {report['test_images']} test images; {report['machine']}.",
+             '', f"`{command}` for S in {summary['seeds']}; setting {common}; zero-shot top-1 (%) on "
+                 f"{report['test_images']} test images; {report['machine']}.",
              '', '| model | ' + ' | '.join(f'seed {s}' for s in summary['seeds'])
              + ' | mean ± std | − `clip`, paired (seeds above) | × `clip` |',
              '|---|' + '---:|' * (len(summary['seeds']) + 3)]
