@@ -131,3 +131,29 @@ def test_unsupported_version_fails_the_training_entry_point(tmp_path):
             "import open_clip_train.main\n")
     result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode != 0 and 'supports open_clip_torch 3.3.x, found 3.4.0' in result.stderr
+
+
+START_UP_FILE = Path(import_hook.__file__).resolve().parent.parent / 'drrho_openclip.pth'
+
+
+def _start_up(tmp_path, package_on_path):
+    """A bare interpreter (no site-packages) that processes a site folder holding the start-up file and what an
+    editable install leaves there (drrho_openclip/patches/); the package itself is on its path or not."""
+    site_dir = tmp_path / 'site'
+    (site_dir / 'drrho_openclip' / 'patches').mkdir(parents=True)
+    shutil.copy(START_UP_FILE, site_dir)
+    extra = repr(str(START_UP_FILE.parent.parent)) if package_on_path else ''
+    code = (f"import sys, site; sys.path.extend([{extra}]); site.addsitedir({str(site_dir)!r})\n"
+            "print(any(type(f).__name__ == '_PatchingFinder' for f in sys.meta_path))\n")
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    return subprocess.run([sys.executable, '-S', '-c', code], capture_output=True, text=True, cwd=tmp_path, env=env)
+
+
+def test_start_up_file_installs_the_hook(tmp_path):
+    result = _start_up(tmp_path, package_on_path=True)
+    assert result.returncode == 0 and result.stderr == '' and result.stdout.strip() == 'True', result
+
+
+def test_start_up_file_left_behind_by_a_deleted_checkout_is_silent(tmp_path):
+    result = _start_up(tmp_path, package_on_path=False)
+    assert result.returncode == 0 and result.stderr == '' and result.stdout.strip() == 'False', result
