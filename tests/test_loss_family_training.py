@@ -12,6 +12,7 @@ CONFIGS = {
     'drrho': ('--loss', 'drrho', '{ref}'),
     'drrho+auto': ('--loss', 'drrho', '--temperature', 'auto', '{ref}'),
     'drrho+kd+learnable': ('--loss', 'drrho', '--learn-temperature', '--distill-weight', '0.25', '{ref}'),
+    'drrho-paper': ('--loss', 'drrho-paper', '{ref}'),
     'sogclr': ('--loss', 'sogclr'),
     'fastclip': ('--loss', 'fastclip'),
     'isogclr': ('--loss', 'isogclr'),

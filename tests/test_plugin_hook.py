@@ -109,7 +109,7 @@ def test_help_names_the_losses_that_read_each_flag_with_their_defaults():
                 default = get_loss_spec(loss).defaults[option]
                 shown = ('on' if default else 'off') if isinstance(default, bool) else str(default)
                 assert value.group(2) == shown, (loss, line)
-    assert 'Losses: drrho, jest, jest-topk (required)' in lines['--ref-features']
+    assert 'Losses: drrho, drrho-paper, jest, jest-topk (required)' in lines['--ref-features']
 
 
 def test_unsupported_openclip_version_stops(monkeypatch):
