@@ -196,8 +196,8 @@ def clip(o):
 DRRHO_OPTIONS = dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, reference_weight=0.25,
                      **DISTILL_OPTIONS)
 # The paper's main setting, one --loss away: the full RHO shift at a fixed τ = 0.01 (seed 001: most of its §6 runs, at
-# global batches of 5120 and 3.2e8-1.3e9 samples seen). Our runs saw at most 5e5 samples, and the paper's evidence at its scale is
-# for this setting (docs/defaults.md, "When to use the paper's full shift")
+# global batches of 5120 and 3.2e8-1.3e9 samples seen). Our runs saw at most 5e5 samples; the paper's evidence at its
+# scale is for this setting (docs/defaults.md, "When to use the paper's full shift")
 DRRHO_PAPER_OPTIONS = dict(DRRHO_OPTIONS, temperature=0.01, learn_temperature=False, reference_weight=1.0)
 
 
