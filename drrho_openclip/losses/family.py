@@ -201,20 +201,18 @@ DRRHO_OPTIONS = dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsi
 DRRHO_PAPER_OPTIONS = dict(DRRHO_OPTIONS, temperature=0.01, learn_temperature=False, reference_weight=1.0)
 
 
-def _drrho(o):
-    return _dro(o, use_reference=True)
-
-
-register_loss(
-    'drrho', reference='required', stateful=True, run_options=STATEFUL, defaults=DRRHO_OPTIONS,
-    help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
-         "with distill_weight > 0, plus KD from the reference model",
-    inactive=_global_temperature_and_distill_inactive)(_drrho)
-register_loss(
+@register_loss(
     'drrho-paper', reference='required', stateful=True, run_options=STATEFUL, defaults=DRRHO_PAPER_OPTIONS,
     help="DRRho-CLIP in the paper's main setting: drrho with the full shift (reference_weight 1) at a fixed τ = 0.01, "
          "tuned for global batches of 5120 and more with a strong reference",
-    inactive=_global_temperature_and_distill_inactive)(_drrho)
+    inactive=_global_temperature_and_distill_inactive)
+@register_loss(
+    'drrho', reference='required', stateful=True, run_options=STATEFUL, defaults=DRRHO_OPTIONS,
+    help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
+         "with distill_weight > 0, plus KD from the reference model",
+    inactive=_global_temperature_and_distill_inactive)
+def drrho(o):
+    return _dro(o, use_reference=True)
 
 
 @register_loss(
