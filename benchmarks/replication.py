@@ -740,6 +740,9 @@ def parse_args(argv=None):
     p.add_argument('--loader-workers', type=int,
                    help="data-loading processes of each training run and precompute (default: 0 on the CPU, whose "
                         "cores train; on a GPU the cores per run minus one, so decoding keeps up with the GPU)")
+    p.add_argument('--grad-checkpointing', action='store_true',
+                   help="OpenCLIP's --grad-checkpointing in every training run: the same training, its activations "
+                        "recomputed in the backward to fit a larger batch in memory")
     p.add_argument('--workdir', default=str(HERE / 'results' / 'tmp' / 'replication'))
     p.add_argument('--output', default=str(RESULTS))
     args = p.parse_args(argv)
@@ -761,8 +764,8 @@ def parse_args(argv=None):
     args.preset = preset
     args.precision = args.precision or ('fp32' if args.device == 'cpu' else 'amp_bf16')
     args.jobs = args.jobs or (os.cpu_count() if args.device == 'cpu' else 3)
-    # on a GPU the CPU's cores decode the images and evaluate the checkpoints, shared by the runs
-    args.threads = 1 if args.device == 'cpu' else max(1, os.cpu_count() // args.jobs)
+    # each run's share of the cores: one per run on a CPU by default; on a GPU they decode and evaluate
+    args.threads = max(1, os.cpu_count() // args.jobs)
     if args.loader_workers is None:
         args.loader_workers = 0 if args.device == 'cpu' else max(1, args.threads - 1)
     elif args.loader_workers < 0:
@@ -794,7 +797,8 @@ def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed
     return train_args(model, data.openclip_args(num_samples), logs, name, epochs=epochs,
                       batch_size=batch_size or args.batch_size,
                       lr=args.preset['lr'], seed=seed, warmup=5, workers=args.loader_workers, log_every_n_steps=1000,
-                      device=args.device, precision=args.precision, extra=extra)
+                      device=args.device, precision=args.precision,
+                      extra=[*extra, *(['--grad-checkpointing'] if args.grad_checkpointing else [])])
 
 
 def precompute(model, checkpoint, data: Dataset, output: Path, args):

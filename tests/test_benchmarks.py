@@ -262,6 +262,11 @@ def test_replication_trains_on_the_device_asked_for(device, precision, monkeypat
     assert replication.train_argv('tiny', data, 64, 'logs', 'run', 3, args, 0)[argv.index('--workers') + 1] == 2
     with pytest.raises(SystemExit):
         replication.parse_args(['--quick', '--loader-workers', '-1'])
+    # fewer runs at once share the cores between them
+    assert replication.parse_args(['--quick', '--device', device, '--jobs', '4']).threads == 4
+    assert '--grad-checkpointing' not in argv
+    args = replication.parse_args(['--quick', '--device', device, '--grad-checkpointing'])
+    assert '--grad-checkpointing' in replication.train_argv('tiny', data, 64, 'logs', 'run', 3, args, 0)
 
 
 def test_replication_reference_batch_defaults_to_the_targets():
