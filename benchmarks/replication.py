@@ -1241,6 +1241,7 @@ def main(argv=None):
                 f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end, "
                 f"torch threads {args.threads} per worker x {args.jobs} workers, "
                 f"{args.loader_workers} data-loading processes per run" +
+                (", OpenCLIP's --grad-checkpointing" if args.grad_checkpointing else '') +
                 (f", trained on {torch.cuda.get_device_name()} with --precision {args.precision}"
                  if args.device == 'cuda' else ''),
         reference_description=reference_description, reference_accuracy=ref['accuracy'],
