@@ -741,8 +741,8 @@ def parse_args(argv=None):
                    help="data-loading processes of each training run and precompute (default: 0 on the CPU, whose "
                         "cores train; on a GPU the cores per run minus one, so decoding keeps up with the GPU)")
     p.add_argument('--grad-checkpointing', action='store_true',
-                   help="OpenCLIP's --grad-checkpointing in every training run: the same training, its activations "
-                        "recomputed in the backward to fit a larger batch in memory")
+                   help="OpenCLIP's --grad-checkpointing in every OpenCLIP run (the targets and a --reference clip): the "
+                        "same training, its activations recomputed in the backward to fit a larger batch in memory")
     p.add_argument('--workdir', default=str(HERE / 'results' / 'tmp' / 'replication'))
     p.add_argument('--output', default=str(RESULTS))
     args = p.parse_args(argv)
