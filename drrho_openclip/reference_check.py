@@ -174,8 +174,8 @@ def verdict(r: ReferenceReport) -> List[str]:
         fraction = FULL_SHIFT_MAX_TARGET_FRACTION
         rule = (f"The paper's full shift, --reference-weight 1, did better than the default 0.25 in all 13 evidence "
                 f"settings where a --loss clip model's mean recall stayed below {fraction:g} of the reference's on "
-                f"the same held-out pairs (1.08-2.15x its mean recall against 0.99-1.85x), and worse in all 16 where it "
-                f"reached that or more (near {fraction:g} mostly within a spread). Those runs saw up to 5e5 samples; "
+                f"the same held-out pairs (1.08-2.15x its mean recall against 0.99-1.85x), and worse in all 16 "
+                f"where it reached that or more (near {fraction:g} mostly within a spread). Those runs saw up to 5e5 samples; "
                 f"at the paper's 3e8-1.3e9 its targets ended at 0.8-1.3 of their references' accuracy and the full "
                 f"shift still beat the reference-free FastCLIP, so there the rule does not hold as measured here. "
                 f"Here the reference's mean recall "
