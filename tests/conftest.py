@@ -115,3 +115,26 @@ def on_gloo_ranks(compute, world_size, out_dir):
 def checkpoint(logs, name, epoch):
     import torch
     return torch.load(Path(logs) / name / 'checkpoints' / f'epoch_{epoch}.pt', map_location='cpu')
+
+
+def assert_same(a, b, **tol):
+    import torch
+    torch.testing.assert_close(a, b, equal_nan=True, **(tol or dict(rtol=0, atol=0)))
+
+
+# Plain SGD for the equivalence runs: Adam divides by √v, which turns float rounding in near-zero gradients into
+# lr-sized steps, so it cannot tell a real difference from summation order. No weight decay: timm reads the
+# model's no-weight-decay list, which a DDP wrapper hides, so one rank and two ranks would decay differently.
+SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
+
+
+def assert_equivalent_runs(a, b, prefix=''):
+    """Two runs' checkpoints (model and the loss's state) equal to float32 rounding."""
+    import torch
+    for key, value in a['state_dict'].items():
+        assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=1e-5)
+    assert a['loss_state'].keys() == b['loss_state'].keys()
+    for key in a['loss_state']:
+        # log u is ℓ̂/τ-sized (hundreds at τ = 0.01): float32 rounding of the features is amplified 1/τ times
+        assert_same(a['loss_state'][key], b['loss_state'][key], rtol=1e-3, atol=1e-3)
+        assert torch.isfinite(a['loss_state'][key]).all()

@@ -7,14 +7,10 @@ import open_clip
 import pytest
 import torch
 
-from conftest import checkpoint, run_openclip, start_openclip, train_args
+from conftest import SGD, assert_equivalent_runs, assert_same, checkpoint, run_openclip, start_openclip, train_args
 from drrho_openclip.losses.registry import get_loss_spec, list_losses
 
 DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
-
-
-def assert_same(a, b, **tol):
-    torch.testing.assert_close(a, b, equal_nan=True, **(tol or dict(rtol=0, atol=0)))
 
 
 def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
@@ -72,22 +68,6 @@ def test_killed_run_resumes_exactly(shapes, tmp_path, name):
         assert_same(a['state_dict'][key], b['state_dict'][key])
     for key in a['loss_state']:  # u, and isogclr's τ tables and their Adam moments
         assert_same(a['loss_state'][key], b['loss_state'][key])
-
-
-# Plain SGD for the equivalence runs: Adam divides by √v, which turns float rounding in near-zero gradients into
-# lr-sized steps, so it cannot tell a real difference from summation order. No weight decay: timm reads the
-# model's no-weight-decay list, which a DDP wrapper hides, so one rank and two ranks would decay differently.
-SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
-
-
-def assert_equivalent_runs(a, b, prefix=''):
-    for key, value in a['state_dict'].items():
-        assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=1e-5)
-    assert a['loss_state'].keys() == b['loss_state'].keys()
-    for key in a['loss_state']:
-        # log u is ℓ̂/τ-sized (hundreds at τ = 0.01): float32 rounding of the features is amplified 1/τ times
-        assert_same(a['loss_state'][key], b['loss_state'][key], rtol=1e-3, atol=1e-3)
-        assert torch.isfinite(a['loss_state'][key]).all()
 
 
 @pytest.mark.parametrize('name', ['drrho', 'sogclr', 'fastclip+kd', 'isogclr', 'tempnet'])

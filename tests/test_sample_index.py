@@ -191,3 +191,22 @@ def test_sample_index_is_refused_for_csv_input(shapes, index, capsys):
         parse('--train-data', shapes['csv'], '--model', shapes['model'], '--loss', 'sogclr', '--sample-index', index)
     assert '--sample-index is for WebDataset input: the rows of --dataset-type csv input are its sample index' in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize('seed', [0, 123_456_789])
+def test_a_map_style_sample_draws_the_same_augmentation_whatever_the_seed(seed):
+    """A CSV sample's augmentation is seeded by (--seed, epoch, index): reproducible, for any --seed."""
+    from drrho_openclip.openclip.loaders import WithSampleExtras
+
+    class Draws:  # a dataset whose "augmentation" is a draw from torch's CPU generator
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return torch.rand(3), index
+
+    sampler = type('Sampler', (), {'epoch': 2})()
+    dataset = WithSampleExtras(Draws(), sampler, seed)
+    first, again = dataset[3], dataset[3]
+    assert torch.equal(first[0], again[0]) and first[2] == {'index': 3}
+    assert not torch.equal(first[0], dataset[2][0])

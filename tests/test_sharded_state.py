@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import on_gloo_ranks, run_openclip, train_args
+from conftest import SGD, on_gloo_ranks, run_openclip, train_args
 from drrho_openclip.losses import create_loss
 from drrho_openclip.losses.state import AUTO_SHARD_FROM_SAMPLES, per_sample_tables
 from drrho_openclip.losses.state import load_state_shards, save_state_shards, shard_file_name
@@ -218,9 +218,6 @@ def test_flag_is_rejected_where_there_are_no_tables(capsys):
 # End to end through OpenCLIP: checkpoints/epoch_N.pt + checkpoints/epoch_N.loss_state/rank-R-of-W.shard
 
 ISOGCLR = ('--loss', 'isogclr', '--gamma', '0.5', '--lr-tau', '0.01', '--state-layout', 'sharded')
-# plain SGD, no weight decay: one rank and two ranks with the same global batch then train alike (see
-# test_openclip_training.py)
-SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
 TWO_RANKS = ('--local-loss', '--gather-with-grad')
 
 

@@ -1,4 +1,5 @@
 """WebDataset input: reference features written per shard by the precompute command, looked up by `__key__`."""
+import math
 import subprocess
 import sys
 
@@ -69,3 +70,17 @@ def test_precompute_refuses_to_overwrite_a_store(shapes, shards):
                             capture_output=True, text=True, env=ENV)
     assert result.returncode != 0 and 'already holds a reference-feature store' in result.stderr
     assert (shards['ref'] / 'manifest.json').read_bytes() == before
+
+
+
+def test_accumulation_steps_the_learned_temperature_once_per_window(shapes, shards, tmp_path):
+    """fastclip with γ = 1 reads neither an index nor reference features, so its WebDataset batches carry no extras;
+    under --accum-freq its learned τ must still take one Adam step per window, not one per call. Adam's first step
+    on log τ is exactly lr_tau long (m and v start at the first gradient and its square)."""
+    args = wds_args(shapes, shards, tmp_path, 'run')
+    args = args[:args.index('--loss')] + ['--loss', 'fastclip', '--gamma', '1', '--lr-tau', '0.05']
+    for option, value in (('--train-num-samples', '8'), ('--batch-size', '4'), ('--epochs', '1'), ('--workers', '1')):
+        args[args.index(option) + 1] = value
+    run_openclip([*args, '--accum-freq', '2'])  # 2 batches: one window, one optimiser step
+    log_tau = checkpoint(tmp_path, 'run', 1)['loss_state']['temperature.log_tau'].item()
+    assert abs(log_tau - math.log(0.07)) == pytest.approx(0.05, rel=1e-4)

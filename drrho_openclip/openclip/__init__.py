@@ -34,7 +34,9 @@ class BatchExtras(TypedDict, total=False):
 
 class TrainingLoss(Protocol):
     """What the patched training loop asks of a loss that `create_loss` returns. The loop calls `set_epoch`,
-    `prepare_batch` and `metrics`, and the plugin `set_total_steps`, only where the loss has them."""
+    `prepare_batch` and `metrics`, and the plugin `set_total_steps`, only where the loss has them; a loss with
+    `prepare_batch` (every loss of this plugin) is a plugin's, given `accum_step` even when its batches carry no
+    extras."""
 
     # set by the plugin for --ref-model: (images, texts) -> reference features, which prepare_batch adds
     reference_encoder: Optional[Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]]

@@ -16,6 +16,8 @@ from ..features import FeatureStore, FeatureStoreError, shard_name
 from . import BatchExtras
 from .run import Run
 
+SEED_RANGE = 1 << 64  # torch's generators take seeds in [0, 2^64)
+
 
 def wds_sample_extras(run: Run, args):
     """(sample -> its index, the collation adding the batch's reference features), or None when the loss reads
@@ -101,8 +103,10 @@ class WithSampleExtras(Dataset):
 
     def __getitem__(self, index):
         with torch.random.fork_rng(devices=[]):
-            # the CPU generator only: torch.manual_seed would also queue the seeding of every accelerator, per sample
-            torch.default_generator.manual_seed((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index)
+            # the CPU generator only: torch.manual_seed would also queue the seeding of every accelerator, per sample;
+            # the product passes torch's seed range from --seed 8590 on
+            seed = ((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index) % SEED_RANGE
+            torch.default_generator.manual_seed(seed)
             image, text = self.dataset[index]
         return image, text, BatchExtras(index=index)  # a plain int: collation makes the batch's int64 tensor
 
