@@ -446,12 +446,14 @@ class FeatureStoreWriter:
         shards = [dict(name=name, count=found[name][0]) for name in names]
         (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'dim': dims[0], 'shards': shards}, indent=1))
         (self.root / PLAN).unlink()
-        if self.final.exists():
-            previous = self.final.with_name(self.final.name + '.previous')
-            os.replace(self.final, previous)
-            os.replace(self.root, self.final)
+        previous = self.final.with_name(self.final.name + '.previous')
+        if previous.exists():  # the store a killed close() was replacing: this one replaces it as well
             shutil.rmtree(previous)
-        else:
-            os.replace(self.root, self.final)
+        replacing = self.final.exists()
+        if replacing:
+            os.replace(self.final, previous)
+        os.replace(self.root, self.final)
         (self.final / LOCK).unlink()
+        if replacing:
+            shutil.rmtree(previous)
         return True

@@ -61,6 +61,11 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     (('--loss', 'sogclr', '--ref-model', 'x'), 'does not read reference features'),
     (('--loss', 'balanced', '--balance-steps', '0'), 'at least one balancing step'),
     (('--loss', 'drrho', '--gamma', '1.5', '--ref-model', 'x'), 'gamma'),
+    (('--loss', 'sogclr', '--gamma', '1', '--gamma-decay-epochs', '4'),
+     '--gamma-decay-epochs has no effect for --loss sogclr with these flags (gamma = 1 keeps no per-sample u'),
+    (('--loss', 'balanced', '--temperature', '0.005'), "which OpenCLIP clamps to τ in [0.01, 1.0]"),
+    (('--loss', 'drrho', '--temperature-optimizer', 'model', '--temperature', '0.005', '--ref-model', 'x'),
+     "learns τ here as the model's logit_scale"),
 ])
 def test_bad_flag_combinations_fail_at_start_up(shapes, tmp_path, flags_, message):
     result = run_openclip(train_args(shapes, tmp_path, 'x', *flags_), check=False)

@@ -321,7 +321,7 @@ def test_shard_sets_of_deleted_checkpoints_are_removed(tmp_path):
     from drrho_openclip.openclip.checkpoints import remove_unreferenced_shard_sets
     root = tmp_path / 'checkpoints'
     for name in ('epoch_1.loss_state', 'epoch_2.loss_state', 'epoch_3.loss_state', 'epoch_3.loss_state.tmp-ab12',
-                 'other.loss_state'):
+                 'epoch_2.loss_state.old-cd34', 'other.loss_state'):
         (root / name).mkdir(parents=True)
     for name in ('epoch_2.pt', 'epoch_3.pt'):  # epoch_1.pt deleted (--delete-previous-checkpoint)
         (root / name).write_bytes(b'')
@@ -334,3 +334,19 @@ def test_shard_sets_of_deleted_checkpoints_are_removed(tmp_path):
     remove_unreferenced_shard_sets(root, 4, [str(root / 'epoch_latest.pt')])
     assert sorted(p.name for p in root.iterdir()) == ['epoch_3.loss_state', 'epoch_3.pt', 'epoch_4.loss_state',
                                                       'other.loss_state']
+
+
+def test_a_shard_set_saved_again_replaces_the_first(tmp_path):
+    """The same epoch saved twice (a run resumed from an earlier checkpoint): the second set replaces the first,
+    which is moved aside until then, and nothing of either save is left beside it."""
+    loss = build('isogclr', layout='sharded')
+    train(loss, 'isogclr', 0, 1, first_steps('isogclr'))
+    directory = tmp_path / 'epoch_1.loss_state'
+    first = save_state_shards(loss, str(directory))
+    train(loss, 'isogclr', 0, 1, [(9, 2)])
+    second = save_state_shards(loss, str(directory))
+    assert second['save_id'] != first['save_id']
+    assert [p.name for p in tmp_path.iterdir()] == ['epoch_1.loss_state']
+    saved = load_state_shards(build('isogclr', layout='sharded'), str(directory), second)
+    for key, value in tables(loss).items():
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=0, equal_nan=True)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from drrho_openclip.features import FeatureStore, FeatureStoreWriter
+from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreWriter
 
 DIM = 8
 
@@ -53,3 +53,17 @@ def test_a_store_written_with_str_keys_still_reads(tmp_path):
     np.save(tmp_path / 'store' / 's.keys.npy', np.array(['k1', 'k2']))  # numpy's str dtype, as earlier versions wrote
     store = FeatureStore.open(tmp_path / 'store')
     assert store.keys('s').tolist() == ['k1', 'k2'] and store.index_of('s', 'k2') == 1
+
+
+def test_a_store_replaces_the_leftover_of_a_killed_replacement(tmp_path):
+    """close() moves the store it replaces aside and then deletes it; a kill during that deletion leaves
+    `<root>.previous` behind, which the next store written there must not trip over."""
+    root = tmp_path / 'ref'
+    _store(root, {'a': ['x', 'y']})
+    leftover = tmp_path / 'ref.previous'
+    leftover.mkdir()
+    (leftover / 'a.keys.npy').write_bytes(b'half deleted')
+    store = _store(root, {'b': ['z']})
+    assert [s.name for s in store.shards] == ['b'] and not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ref']  # no partial, no previous left
+    assert LOCK not in [p.name for p in root.iterdir()]

@@ -17,7 +17,8 @@ computes and communicates.
 from .core import DROContrastiveLoss
 from .passes import compiles_for
 from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
-                       float_or_auto, get_loss_spec, inactive_options, list_losses, loss_options, option_names, register_loss)
+                       float_or_auto, get_loss_spec, inactive_options, list_losses, loss_options, option_names,
+                       register_loss)
 from .state import STATE_LAYOUTS, MovingAverageState, load_state_shards, per_sample_tables, save_state_shards
 from .temperatures import (FixedTemperature, LearnedTemperature, LogitScaleTemperature, PerSampleTemperature,
                            TempNetTemperature, attach_to_model, effective_negatives, reference_margins, rho_for_batch,

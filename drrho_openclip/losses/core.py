@@ -4,12 +4,12 @@ A loss is four choices over the same computation, per anchor i and direction (im
 
 - pairwise loss:   ℓ_ij = s_ij − s_ii, optionally RHO-shifted by a reference model:
                    ℓ̂_ij = ℓ_ij − α(s^ref_ij − s^ref_ii), α = 1 in the paper
-- aggregation:     KL-DRO over the candidates j ≠ i:  F_i = τ_i · log(ε + g_i),  g_i = mean_{j≠i} exp(ℓ̂_ij / τ_i)
+- aggregation:     KL-DRO over the candidates j ≠ i:  τ_i F_i,  F_i = log(ε + g_i),  g_i = mean_{j≠i} exp(ℓ̂_ij / τ_i)
 - temperature:     fixed, learned by the loss's own Adam (from a given τ or one chosen from the first batch), the
                    model's learnable logit_scale, per sample, or predicted by a network
 - per-sample state: SogCLR's moving average u_i ≈ g_i (inner learning rate γ), or none (u_i = the mini-batch g_i)
 
-The gradient is the SogCLR estimator: ∇F_i ≈ τ_i ∇g_i / (ε + u_i), i.e. pair weights exp(ℓ̂_ij/τ_i)/(ε + u_i).
+The gradient is the SogCLR estimator: ∇(τ_i F_i) ≈ τ_i ∇g_i / (ε + u_i), i.e. pair weights exp(ℓ̂_ij/τ_i)/(ε + u_i).
 Anchors are this rank's samples, candidates are the global batch gathered *with* gradient (OpenCLIP's
 `--local-loss --gather-with-grad` semantics); DDP's gradient averaging then yields the gradient of the global mean.
 
@@ -216,11 +216,11 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
             rho = rho_for_batch(all_text.shape[0], self.target_negatives) if self.rho is None else self.rho
 
-            def objective(log_u_image, log_u_text):  # per anchor, both directions
+            def per_anchor_objective(log_u_image, log_u_text):  # both directions
                 return (tau_image * sogclr_estimate(log_g_image, log_u_image, log_eps)
                         + tau_text * sogclr_estimate(log_g_text, log_u_text, log_eps)
                         + rho * (tau_image + tau_text))
-            per_anchor = objective(log_u_image, log_u_text)
+            per_anchor = per_anchor_objective(log_u_image, log_u_text)
             loss = per_anchor.mean()
             if not accum_step and hasattr(self.temperature, 'step'):
                 # By default τ steps on the estimate with u, as the paper's does. A sample's u is from its last
@@ -230,7 +230,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                 # batch's objective (u = g) the derivative is ρ − KL(p_i ‖ uniform) of the weights the batch has,
                 # and τ settles where ρ puts it (k effective negatives for ρ = auto).
                 on_batch = getattr(self.temperature, 'steps_on_batch', False)
-                self.temperature.step(objective(log_g_image.detach(), log_g_text.detach()) if on_batch
+                self.temperature.step(per_anchor_objective(log_g_image.detach(), log_g_text.detach()) if on_batch
                                       else per_anchor)
             losses = {'contrastive_loss': loss}
             # what metrics() needs, detached; the features are kept (not the b×B matrices): O((b + B)·d) memory

@@ -18,8 +18,9 @@ CLIP = (*DISTRIBUTED, 'local_loss', 'gather_with_grad')
 
 # ρ of every learned τ, and the target k of an 'auto' τ: an anchor's DRO weights spread over k effective negatives
 # is where a learned τ settles with ρ = log((B − 1)/k) (temperatures.py), at any global batch B; with a paper's fixed
-# ρ it would collapse to a bound wherever log(B − 1) < ρ (FastCLIP's 8.5 needs B > 4900). 8 is the reference check's
-# rule (reference_check.py): on the demo's reference it picks τ ≈ 0.1 at batch 64 and 0.03 at 512.
+# ρ it would collapse to a bound wherever log(B − 1) < ρ (FastCLIP's 8.5 needs B > 4900). With k = 8 an 'auto' τ starts
+# at about 0.1 at batch 64 and 0.03 at 512 on the demo's reference (the reference check reads its warning line from
+# the same k).
 ESTIMATOR_TEMPERATURE_OPTIONS = dict(rho=AUTO, target_negatives=8.0)
 
 # The options of a DRO loss with a global τ (the per-loss defaults below override them)
@@ -108,15 +109,23 @@ def _rho(o):
     return (None if o.rho == AUTO else o.rho), o.target_negatives
 
 
+def _state_inactive(o) -> dict:
+    if o.gamma != 1:
+        return {}
+    return {'gamma_decay_epochs': "gamma = 1 keeps no per-sample u to decay γ for"}
+
+
 def _global_temperature_inactive(o) -> dict:
     if not _learns_temperature(o):
         why = "a fixed τ; learn it with --learn-temperature, or give --temperature auto"
-        return {k: why for k in ('temperature_optimizer', 'tau_objective', 'lr_tau', 'tau_min', 'tau_max', 'rho',
-                                 'target_negatives')}
-    unread = {}
+        return {**{k: why for k in ('temperature_optimizer', 'tau_objective', 'lr_tau', 'tau_min', 'tau_max', 'rho',
+                                    'target_negatives')}, **_state_inactive(o)}
+    unread = _state_inactive(o)
     if o.temperature_optimizer == 'model':
         unread.update({k: "τ is the model's logit_scale, learned by OpenCLIP's optimiser"
                        for k in ('tau_objective', 'lr_tau', 'tau_min', 'tau_max')})
+    elif o.gamma == 1:
+        unread['tau_objective'] = "with gamma = 1 the SogCLR estimate is the batch's own objective"
     if o.temperature != AUTO and o.rho != AUTO:
         unread['target_negatives'] = "it sets an 'auto' τ or ρ, and neither is 'auto'"
     return unread
@@ -127,7 +136,7 @@ def _global_temperature_and_distill_inactive(o) -> dict:
 
 
 def _estimator_temperature_inactive(o) -> dict:
-    return {} if o.rho == AUTO else {'target_negatives': "it sets an 'auto' ρ"}
+    return {**_state_inactive(o), **({} if o.rho == AUTO else {'target_negatives': "it sets an 'auto' ρ"})}
 
 
 def _keeps_state(o) -> bool:

@@ -293,9 +293,12 @@ def save_state_shards(loss, directory) -> dict:
             if written != expected:
                 raise RuntimeError(f"'{staging}' holds {written}, expected {expected} (every rank must see the "
                                    f"checkpoint directory: a shared file system)")
+            # a set saved again for the same epoch is moved aside, not deleted, until the new one is in place
+            previous = directory.parent / f'{directory.name}.old-{save_id}'
             if directory.exists():
-                shutil.rmtree(directory)
+                os.replace(directory, previous)
             os.replace(staging, directory)
+            shutil.rmtree(previous, ignore_errors=True)
         except Exception as e:  # noqa: BLE001
             error = e
     _all_ok(error is None, f"completing the per-sample state shard set '{directory}'", world_size, device, error)

@@ -115,6 +115,14 @@ def rho_for_batch(batch_size: int, target_negatives: float) -> float:
     return max(0.0, math.log((batch_size - 1) / target_negatives))
 
 
+def adam_moments(m, v, grad, beta1: float, beta2: float):
+    """Adam's first and second moments after `grad`. A NaN moment (no step yet) starts at grad and grad², which
+    leaves them unbiased without Adam's step-count correction."""
+    m = torch.where(torch.isnan(m), grad, beta1 * m + (1 - beta1) * grad)
+    v = torch.where(torch.isnan(v), grad ** 2, beta2 * v + (1 - beta2) * grad ** 2)
+    return m, v
+
+
 class LearnedTemperature(nn.Module):
     """A global τ learned by the loss's own Adam on log τ, with its own learning rate: the official code gives the
     model's logit_scale (= −log τ) a parameter group of its own (--lr_tau), where Adam takes these same steps; here
@@ -209,12 +217,10 @@ class LearnedTemperature(nn.Module):
         # the mean over ranks of their anchors' means: the gradient of the global batch's mean objective
         grad = all_reduce(grad.detach().clone(), self.world_size, objective.device) / self.world_size
         with torch.no_grad():
-            grad = grad.to(self.log_tau)
-            first = torch.isnan(self.exp_avg)
-            self.exp_avg.copy_(torch.where(first, grad, self.beta1 * self.exp_avg + (1 - self.beta1) * grad))
-            self.exp_avg_sq.copy_(torch.where(first, grad ** 2,
-                                              self.beta2 * self.exp_avg_sq + (1 - self.beta2) * grad ** 2))
-            step = self.lr * self.exp_avg / (self.exp_avg_sq.sqrt() + self.eps)
+            m, v = adam_moments(self.exp_avg, self.exp_avg_sq, grad.to(self.log_tau), self.beta1, self.beta2)
+            self.exp_avg.copy_(m)
+            self.exp_avg_sq.copy_(v)
+            step = self.lr * m / (v.sqrt() + self.eps)
             self.log_tau.copy_((self.log_tau - step).clamp(math.log(self.tau_min), math.log(self.tau_max)))
 
 
@@ -268,9 +274,7 @@ class PerSampleTemperature(nn.Module):
         return self._rows[1], self._rows[2]
 
     def _adam(self, moments, tau, grad):
-        m_old, v_old = (x.to(grad) for x in moments)
-        m = torch.where(torch.isnan(m_old), grad, self.beta1 * m_old + (1 - self.beta1) * grad)
-        v = torch.where(torch.isnan(v_old), grad ** 2, self.beta2 * v_old + (1 - self.beta2) * grad ** 2)
+        m, v = adam_moments(*(x.to(grad) for x in moments), grad, self.beta1, self.beta2)
         tau = (tau.to(grad) - self.lr * m / (v.sqrt() + self.eps)).clamp(self.tau_min, self.tau_max)
         return [tau, m, v]
 

@@ -1,7 +1,7 @@
 """Sharded per-sample state in OpenCLIP's checkpoints.
 
 With --state-layout sharded every rank writes its block of the per-sample tables next to the checkpoint, as the
-shard set  checkpoints/epoch_N.loss_state/rank-R-of-W.shard  (losses/state_shards.py), before rank 0 writes the
+shard set  checkpoints/epoch_N.loss_state/rank-R-of-W.shard  (losses/state.py), before rank 0 writes the
 epoch's checkpoint files (epoch_N.pt, and epoch_latest.pt with --save-most-recent, which refers to the same set): a
 checkpoint file never exists without its complete set. The checkpoint's 'loss_state' holds the loss's other entries
 and the set's manifest under SHARDS_KEY. Nothing there ends in .pt, so `--resume latest` (the newest **/*.pt) never
@@ -19,7 +19,8 @@ from .run import Run
 
 SHARDS_KEY = 'per_sample_state_shards'
 SHARD_SET_SUFFIX = '.loss_state'
-SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.tmp-[0-9a-f]+)?')
+# a set, or the staging (.tmp-) or replaced (.old-) directory a killed save left behind
+SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.(?:tmp|old)-[0-9a-f]+)?')
 EPOCH_CHECKPOINT = re.compile(r'epoch_(\d+)\.pt')
 
 
@@ -73,7 +74,7 @@ def _shard_set_of(checkpoint_file: Path):
 
 
 def remove_unreferenced_shard_sets(root: Path, completed_epoch: int, checkpoint_files):
-    """Remove from `root` the staging directories of interrupted saves and the shard sets no checkpoint refers to:
+    """Remove from `root` the leftovers of interrupted saves and the shard sets no checkpoint refers to:
     epoch_N.loss_state is kept while epoch_N.pt exists (--delete-previous-checkpoint removes it) or while another
     checkpoint (epoch_latest.pt) names it; the files written this epoch (`checkpoint_files`) name this epoch's set.
     An unreadable checkpoint keeps every set."""

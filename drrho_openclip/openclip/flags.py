@@ -8,8 +8,9 @@ import textwrap
 
 from ..data import input_kind
 from ..features import FeatureStore, FeatureStoreError
-from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
-                      get_loss_spec, inactive_options, list_losses, loss_options, option_names, per_sample_tables)
+from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
+                      LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
+                      option_names, per_sample_tables)
 from .run import Run
 
 # Options whose default the run chooses (tile_size: from the batch sizes; state_layout 'auto': from the dataset size
@@ -17,6 +18,8 @@ from .run import Run
 CHOSEN_BY_THE_RUN = ('tile_size', 'state_layout')
 # OpenCLIP's flags that only its own ClipLoss (and losses built on it) reads: {option: flag}
 OPENCLIP_LOSS_FLAGS = {'local_loss': '--local-loss', 'gather_with_grad': '--gather-with-grad'}
+# The τ a learned logit_scale can hold: OpenCLIP's training loop clamps it to [0, ln 100] after every step
+LOGIT_SCALE_TAU_RANGE = (0.01, 1.0)
 # The options that take one of a few words
 OPTION_CHOICES = {'state_layout': STATE_LAYOUTS, 'temperature_optimizer': TEMPERATURE_OPTIMIZERS,
                   'tau_objective': TAU_OBJECTIVES}
@@ -174,10 +177,15 @@ def check_args(args, parser) -> Run:
     stand_in = dict(num_samples=1, rank=0, world_size=1, embed_dim=1, local_loss=args.local_loss,
                     gather_with_grad=args.gather_with_grad)
     try:  # the loss's own checks, on a stand-in of the run's sizes
-        keeps_state = bool(per_sample_tables(
-            create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})))
+        loss = create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})
     except ValueError as e:
         parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
+    keeps_state = bool(per_sample_tables(loss))
+    if isinstance(getattr(loss, 'temperature', None), LogitScaleTemperature) and not (
+            LOGIT_SCALE_TAU_RANGE[0] <= options.temperature <= LOGIT_SCALE_TAU_RANGE[1]):
+        parser.error(f"--temperature {options.temperature}: --loss {args.loss} learns τ here as the model's "
+                     f"logit_scale, which OpenCLIP clamps to τ in [{LOGIT_SCALE_TAU_RANGE[0]}, "
+                     f"{LOGIT_SCALE_TAU_RANGE[1]}] after every step; start τ in that range")
     for option in own:
         setattr(args, option, getattr(options, option))
     in_force = {option: getattr(options, option) for option in own}

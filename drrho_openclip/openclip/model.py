@@ -41,8 +41,9 @@ def configure_model(run: Run, model, args):
     """Build the loss before the optimizer, DDP and resume see the model: a loss with learnable modules (TempNet)
     attaches them to the model. Everything the loss holds (per-sample tables, attached modules) and the online
     reference model go to the model's device, where OpenCLIP has already put the model. A τ the loss does not learn
-    through logit_scale freezes the model's logit_scale (at log 1/τ, so logs show the τ in force): DDP must not wait
-    for a gradient it never gets."""
+    through logit_scale freezes the model's logit_scale, at log 1/(the starting τ): DDP must not wait for a gradient
+    it never gets. OpenCLIP's logged scale then stays at that start (clamped to at most 100); the τ in force is the
+    loss's own metric (train/tau_image_mean)."""
     if run.plain_clip:
         return
     device = model.logit_scale.device
