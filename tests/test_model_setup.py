@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import open_clip
 import pytest
 
+from conftest import run_openclip, train_args
 from drrho_openclip import openclip as plugin
 
 
@@ -61,15 +62,30 @@ def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau, caplog
 
 
 def test_openclip_loss_flags_a_loss_does_not_read_are_warned_about(shapes, caplog):
-    with caplog.at_level(logging.WARNING):
-        parse('--model', shapes['model'], '--loss', 'sogclr', '--local-loss', '--gather-with-grad')
+    def start_up_log(*argv):
+        """What the run logs up to its loss (configure_model and create_loss: the hooks after OpenCLIP's logging
+        is set up)."""
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, *argv)
+            assert 'does not read' not in caplog.text  # parsing logs nothing (see the next test)
+            plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+            plugin.create_loss(args)
+        return caplog.text
+
     assert ("--loss sogclr does not read --local-loss and --gather-with-grad: its anchors are always the local "
-            "samples and its candidates the global batch, gathered with gradient") in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        parse('--model', shapes['model'], '--loss', 'clip', '--local-loss', '--gather-with-grad')
-        parse('--model', shapes['model'], '--loss', 'jest', '--ref-model', 'RN50', '--local-loss')
-    assert 'does not read' not in caplog.text
+            "samples and its candidates the global batch, gathered with gradient"
+            ) in start_up_log('--loss', 'sogclr', '--local-loss', '--gather-with-grad')
+    assert 'does not read' not in start_up_log('--loss', 'clip', '--local-loss', '--gather-with-grad')
+    assert 'does not read' not in start_up_log('--loss', 'jest', '--ref-model', shapes['model'], '--local-loss')
+
+
+def test_the_warning_does_not_double_the_runs_log_lines(shapes, tmp_path):
+    """A logging call while OpenCLIP parses its flags, before it sets up logging, would give the root logger a
+    handler of its own: every later line printed twice, once as 'INFO:root:...'."""
+    result = run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'sogclr', '--local-loss'))
+    log = result.stdout + result.stderr
+    assert 'does not read --local-loss' in log and 'INFO:root:' not in log and 'WARNING:root:' not in log
 
 
 @pytest.mark.parametrize('loss, compiles, logged', [('drrho', True, True), ('drrho', False, False),

@@ -1,7 +1,6 @@
 """The plugin's flags: one argument group in OpenCLIP's parser (every loss option from the registry, with the losses
 that read it and their defaults), and their checks against the chosen loss, which start the run."""
 import argparse
-import logging
 import re
 import shutil
 import textwrap
@@ -170,9 +169,10 @@ def check_args(args, parser) -> Run:
     if args.ref_pretrained is not None and args.ref_model is None:
         parser.error("--ref-pretrained needs --ref-model")
     supplied = spec.run_options
+    warnings = []
     ignored = [f for option, f in OPENCLIP_LOSS_FLAGS.items() if getattr(args, option) and option not in supplied]
     if ignored:
-        logging.warning(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "
+        warnings.append(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "
                         f"always the local samples and its candidates the global batch, gathered with gradient")
     stand_in = dict(num_samples=1, rank=0, world_size=1, embed_dim=1, local_loss=args.local_loss,
                     gather_with_grad=args.gather_with_grad)
@@ -201,7 +201,7 @@ def check_args(args, parser) -> Run:
     index_store = _check_sample_index(args, parser, keeps_state, reads_reference) or reference_store
     return Run(loss_name=args.loss, plain_clip=args.loss == 'clip' and not options.distill_weight, options=in_force,
                reference_store=reference_store, index_store=index_store,
-               sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0)
+               sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings)
 
 
 def _check_sample_index(args, parser, keeps_state: bool, reads_reference: bool):

@@ -88,4 +88,6 @@ def create_loss(run: Run, args):
         return None
     settings = ', '.join(f"{o}={v}" for o, v in sorted(run.options.items()))
     logging.info(f"drrho-openclip: --loss {run.loss_name} ({type(run.loss).__name__}): {settings}")
+    for warning in run.warnings:
+        logging.warning(warning)
     return run.loss

@@ -3,7 +3,7 @@
 Each training process parses its flags once, so there is one active run per process; a hook called before
 check_args (a patched OpenCLIP driven without its parser) is an error, not a silent default."""
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from ..features import FeatureStore
 
@@ -17,6 +17,9 @@ class Run:
     index_store: Optional[FeatureStore] = None      # whose keys index WebDataset samples: --sample-index or the above
     sample_index_size: int = 0                 # rows of the per-sample state: store, CSV rows or synthetic samples
     loss: Optional[object] = None              # built by configure_model
+    # warnings about the flags, logged with the loss (at parse time OpenCLIP's logging is not set up yet, and a
+    # logging call then would give the root logger a second handler: every later line printed twice)
+    warnings: List[str] = field(default_factory=list)
 
 
 _active: Optional[Run] = None
