@@ -145,7 +145,9 @@ def test_features_of_another_csv_are_rejected(shapes, tmp_path):
     args = train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', shapes['ref'])
     args[args.index('--train-data') + 1] = other
     result = run_openclip(args, check=False)
-    assert result.returncode != 0 and 'computed for another CSV: row 0' in result.stderr
+    assert result.returncode == 2 and 'computed for another CSV: row 0' in result.stderr
+    assert '--ref-features was not written for --train-data' in result.stderr
+    assert not (tmp_path / 'x').exists()  # stopped at start-up, before OpenCLIP created the run
 
 
 def test_corrupt_feature_file_names_the_shard(shapes, tmp_path):

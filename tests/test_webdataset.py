@@ -60,7 +60,8 @@ def test_a_shard_without_features_is_named(shapes, shards, tmp_path):
     args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0')
     args[1] = str(shards['root'] / 'part-{0..3}.tar') + '::' + str(extra_shard)
     result = run_openclip(args, check=False)
-    assert result.returncode != 0 and "no reference features for shard 'part-9'" in result.stderr
+    assert result.returncode == 2 and "no reference features for shard 'part-9'" in result.stderr
+    assert not (tmp_path / 'run').exists()  # stopped at start-up, before OpenCLIP created the run
 
 
 def test_precompute_refuses_to_overwrite_a_store(shapes, shards):

@@ -5,8 +5,10 @@ import re
 import shutil
 import textwrap
 
+import braceexpand
+
 from ..data import input_kind
-from ..features import FeatureStore, FeatureStoreError
+from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
                       option_names, per_sample_tables)
@@ -198,7 +200,11 @@ def check_args(args, parser) -> Run:
         if reference_store.keys_only:
             parser.error(f"--ref-features: '{reference_store.root}' is a keys-only store: it holds no reference "
                          f"features (it can be a --sample-index)")
-    index_store = _check_sample_index(args, parser, keeps_state, reads_reference) or reference_store
+    sample_index = _check_sample_index(args, parser, keeps_state, reads_reference)
+    for option, store in (('ref_features', reference_store), ('sample_index', sample_index)):
+        if store is not None:
+            _check_store_covers_training_data(parser, option, store, args)
+    index_store = sample_index or reference_store
     return Run(loss_name=args.loss, plain_clip=args.loss == 'clip' and not options.distill_weight, options=in_force,
                reference_store=reference_store, index_store=index_store,
                sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings)
@@ -227,6 +233,43 @@ def _check_sample_index(args, parser, keeps_state: bool, reads_reference: bool):
         parser.error(f"--sample-index is for WebDataset input: the rows of --dataset-type {kind} input are its sample "
                      f"index already")
     return _open_store(parser, 'sample_index', args.sample_index)
+
+
+def _check_store_covers_training_data(parser, option: str, store: FeatureStore, args):
+    """A store written for other data stops the run here, before OpenCLIP creates its log folder: every
+    WebDataset shard of --train-data must be one of the store's, and a CSV must be the store's whole index, row by
+    row (its image paths are the keys). Keys within a tar shard are looked up as its samples arrive."""
+    kind = input_kind(args.train_data, args.dataset_type)
+    if args.train_data is None:
+        return
+    try:
+        if kind == 'synthetic':
+            raise FeatureStoreError("--dataset-type synthetic has no samples a store can describe")
+        if kind == 'csv':
+            import pandas as pd
+            images = pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key])[args.csv_img_key]
+            check_csv_keys(store, args.train_data, images.tolist())
+            if store.num_samples != len(images):  # the row number is the dense index: no other shard may come first
+                raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples, the CSV has {len(images)}")
+        else:
+            for source in args.train_data.split('::'):
+                for url in braceexpand.braceexpand(source):
+                    store.shard(shard_name(url))
+    except FeatureStoreError as e:
+        parser.error(f"{flag(option)} was not written for --train-data: {e}")
+
+
+def check_csv_keys(store, csv_path, images):
+    """The store's keys of the CSV's shard are its image paths, row by row."""
+    shard = store.shard(shard_name(csv_path))
+    keys = store.keys(shard.name)
+    if len(keys) != len(images):
+        raise FeatureStoreError(f"'{store.root}' has {len(keys)} reference features for '{csv_path}', "
+                                f"which has {len(images)} rows")
+    for row, (key, image) in enumerate(zip(keys, images)):
+        if str(key) != str(image):
+            raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{key}' there and "
+                                    f"'{image}' in '{csv_path}'")
 
 
 def _sample_index_size(args, index_store) -> int:

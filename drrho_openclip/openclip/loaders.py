@@ -12,7 +12,7 @@ import logging
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
-from ..features import FeatureStore, FeatureStoreError, shard_name
+from ..features import FeatureStore, shard_name
 from . import BatchExtras
 from .run import Run
 
@@ -54,14 +54,7 @@ def _with_sample_extras(run: Run, data: dict, args) -> dict:
     dataset = getattr(info.dataloader, 'dataset', None)  # WebDataset's WebLoader has none
     if not isinstance(dataset, (CsvDataset, SyntheticDataset)):
         return data
-    store = run.reference_store
-    if store is not None:
-        if isinstance(dataset, SyntheticDataset):
-            raise ValueError("--ref-features cannot describe --dataset-type synthetic")
-        check_csv_keys(store, args.train_data, dataset.images)
-        if store.num_samples != len(dataset):  # the row number is the dense index: no other shard may come first
-            raise ValueError(f"'{store.root}' holds {store.num_samples} reference features, the dataset has "
-                             f"{len(dataset)} samples")
+    store = run.reference_store  # checked against the data at start-up (flags.py)
     # always a seeded DistributedSampler (one replica when not distributed), so that each epoch's order is a
     # function of (seed, epoch): exact resume, equal across world sizes
     sampler = DistributedSampler(dataset, num_replicas=args.world_size, rank=args.rank, shuffle=True, seed=args.seed)
@@ -71,18 +64,6 @@ def _with_sample_extras(run: Run, data: dict, args) -> dict:
     loader.num_samples, loader.num_batches = info.dataloader.num_samples, len(loader)
     data['train'] = DataInfo(loader, sampler)
     return data
-
-
-def check_csv_keys(store, csv_path, images):
-    shard = store.shard(shard_name(csv_path))
-    keys = store.keys(shard.name)
-    if len(keys) != len(images):
-        raise FeatureStoreError(f"'{store.root}' has {len(keys)} reference features for '{csv_path}', "
-                                f"which has {len(images)} rows")
-    for row, (key, image) in enumerate(zip(keys, images)):
-        if str(key) != str(image):
-            raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{key}' there and "
-                                    f"'{image}' in '{csv_path}'")
 
 
 class WithSampleExtras(Dataset):
