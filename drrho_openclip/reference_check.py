@@ -32,7 +32,17 @@ from .losses import get_loss_spec, reference_margins, temperature_for_effective_
 from .losses import effective_negatives  # noqa: F401 - part of this module's interface (per-anchor n_eff at a τ)
 from .losses.distill import calibrated_logit_scale
 
+DEFAULT_SAMPLES = 5000  # the pairs retrieval is measured among, unless --samples or --clip-recall says otherwise
 TEMPERATURES = (0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.2)
+# Anchors per direction whose margins each batch contributes, over all B − 1 negatives: up to 256 (8 batches give
+# 4096 rows), fewer in large batches so that a batch's rows hold about 2^23 margins (at B = 32768, 128 anchors and
+# 0.5 GiB of float64 over 8 batches: every anchor of a batch that large would take 17 GiB)
+MAX_BATCH_ANCHORS = 256
+MARGINS_PER_BATCH = 1 << 23
+# Rows of margins a pass over them reads at once (the weights' softmax per τ), and the margins the bisection of
+# --temperature auto's τ reads some 40 times
+ROWS_PER_PASS = 256
+AUTO_TEMPERATURE_MARGINS = 1 << 24
 DRRHO_DEFAULTS = get_loss_spec('drrho').defaults
 # drrho's 'auto' τ starts where the median anchor has this many effective negatives, within its τ bounds; fewer than
 # this at the suggested τ earns the verdict a warning
@@ -54,8 +64,9 @@ FULL_SHIFT_TIE_BAND = 0.05
 @dataclass
 class ReferenceReport:
     store: str
-    samples: int                      # samples the retrieval and the batches were drawn from
-    batch_size: int
+    samples: int                      # samples the retrieval was measured among
+    batch_size: int                   # of the batches the margins and weights are from: the one asked, or the store's
+    batch_size_asked: int             # size where the store holds fewer samples
     retrieval: Dict[str, float]       # R@1 / R@5, image→text and text→image, in %
     mean_recall: float                # their mean, the evidence's measure of retrieval
     margin: Dict[str, float]          # mean, std, quantiles of m_ij, fraction of negative margins
@@ -76,31 +87,53 @@ def _sample(store: FeatureStore, count: int, seed: int):
     return image.double(), text.double()
 
 
-def retrieval(image: torch.Tensor, text: torch.Tensor) -> Dict[str, float]:
-    """R@1 and R@5 (%) of each sample's own caption among all texts, and of its own image among all images."""
-    sim = image @ text.T
+def retrieval(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dict[str, float]:
+    """R@1 and R@5 (%) of each sample's own caption among all texts, and of its own image among all images (in
+    chunks of anchors: memory O(chunk · n), not n²)."""
     out = {}
-    for direction, s in (('image_to_text', sim), ('text_to_image', sim.T)):
-        rank = (s > s.diagonal()[:, None]).sum(dim=1)  # candidates scored above the positive
+    for direction, anchors, candidates in (('image_to_text', image, text), ('text_to_image', text, image)):
+        ranks = []
+        for start in range(0, len(anchors), chunk):
+            sim = anchors[start:start + chunk] @ candidates.T
+            positive = sim[:, start:start + chunk].diagonal()  # from the same product: rounded alike
+            ranks.append((sim > positive[:, None]).sum(dim=1))  # candidates scored above the positive
+        rank = torch.cat(ranks)
         for k in (1, 5):
             out[f'{direction}_R@{k}'] = 100 * (rank < k).double().mean().item()
     return out
 
 
-def batch_margins(image: torch.Tensor, text: torch.Tensor, batch_size: int, batches: int, seed: int):
-    """[batches · 2 · B, B − 1] margins s_ii − s_ij of the anchors of random batches, both directions."""
+def random_batches(store: FeatureStore, batch_size: int, batches: int, seed: int):
+    """`batches` random batches of `batch_size` distinct samples of the whole store: [(image, text)], float64."""
     g = torch.Generator().manual_seed(seed + 1)
-    rows = []
+    out = []
     for _ in range(batches):
-        pick = torch.randperm(image.shape[0], generator=g)[:batch_size]
-        rows.append(reference_margins(image[pick], text[pick]))
-    return torch.cat(rows)
+        image, text = store.batch_features(torch.randperm(store.num_samples, generator=g)[:batch_size].sort().values)
+        out.append((image.double(), text.double()))
+    return out
 
 
-def auto_temperature(margins: torch.Tensor, max_anchors: int = 4096) -> float:
-    """The τ drrho's --temperature auto starts from, for the anchors of `margins` (evenly thinned to `max_anchors`
-    rows: a bisection reads them some 40 times)."""
-    rows = margins[::max(1, len(margins) // max_anchors)]
+def batch_margins(batches, max_anchors: int = None) -> torch.Tensor:
+    """[Σ 2·r, B − 1] margins s_ii − s_ij over the B − 1 negatives of the first r = min(B, max_anchors) anchors of
+    each (image, text) batch, both directions (a batch's order is random: its first anchors are a random sample).
+    `max_anchors` None: MAX_BATCH_ANCHORS, fewer where a batch's rows would hold more than MARGINS_PER_BATCH."""
+    if max_anchors is None:
+        size = batches[0][0].shape[0]
+        max_anchors = min(MAX_BATCH_ANCHORS, max(16, MARGINS_PER_BATCH // (2 * size)))
+    return torch.cat([reference_margins(image, text, max_anchors) for image, text in batches])
+
+
+def median_effective_negatives(margins: torch.Tensor, tau: float) -> float:
+    """The median over anchors (rows) of `effective_negatives`, a few rows at a time."""
+    return torch.cat([effective_negatives(rows, tau) for rows in margins.split(ROWS_PER_PASS)]).median().item()
+
+
+def auto_temperature(margins: torch.Tensor, reference_weight: float = 1.0, max_anchors: int = 4096) -> float:
+    """The τ drrho's --temperature auto starts from, for the anchors of `margins` shifted by α = `reference_weight`
+    (evenly thinned to `max_anchors` rows, or fewer that hold AUTO_TEMPERATURE_MARGINS: a bisection reads them some
+    40 times)."""
+    max_anchors = min(max_anchors, max(64, AUTO_TEMPERATURE_MARGINS // margins.shape[1]))
+    rows = reference_weight * margins[::max(1, len(margins) // max_anchors)]
     return temperature_for_effective_negatives(rows, TARGET_NEGATIVES, DRRHO_DEFAULTS['tau_min'],
                                                DRRHO_DEFAULTS['tau_max']).item()
 
@@ -109,35 +142,37 @@ class FlagConflict(ValueError):
     """Flags that cannot be honoured together for this store: main() reports it as a usage error."""
 
 
-def check(store_dir, batch_size: int, temperature: float = None, samples: int = 5000, batches: int = 8,
+def check(store_dir, batch_size: int, temperature: float = None, samples: int = None, batches: int = 8,
           seed: int = 0, reference_weight: float = DRRHO_DEFAULTS['reference_weight'],
           clip_recall: float = None) -> ReferenceReport:
     store = FeatureStore.open(store_dir)
     if store.keys_only:
         raise FeatureStoreError(f"'{store.root}' is a keys-only store: it holds no reference features to check")
-    count = min(samples, store.num_samples)
-    if count < 2:
+    if store.num_samples < 2:
         raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples: at least 2 are needed")
+    # recall falls as the candidates grow: a clip model's recall compares with the reference's over the same pairs
+    count = min(samples or (store.num_samples if clip_recall is not None else DEFAULT_SAMPLES), store.num_samples)
     if clip_recall is not None and count < store.num_samples:
-        # recall falls as the candidates grow: the two recalls compare only over the same pairs
         raise FlagConflict(f"--clip-recall is compared with the reference's recall over the same pairs, and "
-                           f"'{store.root}' holds {store.num_samples}: give --samples {store.num_samples} (or more)")
+                           f"'{store.root}' holds {store.num_samples}: give --samples {store.num_samples} (or more), "
+                           f"or leave --samples out")
     image, text = _sample(store, count, seed)
     recalls = retrieval(image, text)
-    batch = min(batch_size, count)
-    margins = batch_margins(image, text, batch, batches, seed)
+    batch = min(batch_size, store.num_samples)
+    drawn = random_batches(store, batch, batches, seed)
+    margins = batch_margins(drawn)
     quantiles = torch.quantile(margins.flatten()[:1 << 24].float(), torch.tensor([0.05, 0.5, 0.95])).tolist()
     grid = sorted(set(TEMPERATURES) | {SUGGESTED_TEMPERATURE} | ({temperature} if temperature else set()))
-    shift = reference_weight * margins  # what the loss's weights see at the start of training
-    medians = {tau: effective_negatives(shift, tau).median().item() for tau in grid}
+    # the loss's weights at the start of training see α·m/τ: the margins at τ/α
+    medians = {tau: median_effective_negatives(margins, tau / reference_weight) for tau in grid}
     report = ReferenceReport(
-        store=str(store.root), samples=count, batch_size=batch, retrieval=recalls,
+        store=str(store.root), samples=count, batch_size=batch, batch_size_asked=batch_size, retrieval=recalls,
         mean_recall=sum(recalls.values()) / len(recalls),
         margin=dict(mean=margins.mean().item(), std=margins.std().item(), q05=quantiles[0], median=quantiles[1],
                     q95=quantiles[2], negative_fraction=(margins < 0).double().mean().item()),
         effective_negatives=medians, temperature=temperature, reference_weight=reference_weight,
-        auto_temperature=auto_temperature(shift),
-        teacher_logit_scale=calibrated_logit_scale(image[:batch], text[:batch]).item(), clip_recall=clip_recall)
+        auto_temperature=auto_temperature(margins, reference_weight),
+        teacher_logit_scale=calibrated_logit_scale(*drawn[0]).item(), clip_recall=clip_recall)
     report.verdict = verdict(report)
     return report
 
@@ -154,6 +189,11 @@ def verdict(r: ReferenceReport) -> List[str]:
         lines.append(f"{100 * r.margin['negative_fraction']:.0f}% of negatives score above their positive for the "
                      f"reference: many pairs look noisy or duplicated to it, and DRRho will down-weight them.")
     negatives = r.batch_size - 1
+    if r.batch_size < r.batch_size_asked:
+        lines.append(f"The store holds {r.batch_size} samples, fewer than a batch of {r.batch_size_asked}: the margins "
+                     f"and weights below are those of batches of {r.batch_size}; at a given τ the weights spread "
+                     f"over more negatives in a larger batch. Check a store of at least {r.batch_size_asked} samples "
+                     f"(a slice of the training data) for the planned batch.")
     if r.temperature is not None:
         n = r.effective_negatives[r.temperature]
         lines.append(f"At τ = {r.temperature:g} and batch {r.batch_size}, each anchor's update rests on about "
@@ -161,10 +201,10 @@ def verdict(r: ReferenceReport) -> List[str]:
     s = r.suggested_temperature
     lines.append(f"Suggested: drrho's default, τ learned from {s:g} on the paper's SogCLR estimate (--lr-tau auto); "
                  f"at batch {r.batch_size} and reference weight {r.reference_weight:g} it starts each anchor's update "
-                 f"on about {r.effective_negatives[s]:.0f} of its {negatives} negatives. Starting lower lost to "
-                 f"--loss clip in every real-data setting measured: --temperature auto, which would start such a "
-                 f"batch at τ = {r.auto_temperature:.3g} (the median anchor on {TARGET_NEGATIVES:g} effective "
-                 f"negatives), and starts from 0.0035 to 0.035.")
+                 f"on about {r.effective_negatives[s]:.0f} of its {negatives} negatives. Lower starts lost to "
+                 f"--loss clip in every real-data setting measured (0.0035 to 0.035, among them --temperature auto, "
+                 f"which here would start at τ = {r.auto_temperature:.3g}: the median anchor on "
+                 f"{TARGET_NEGATIVES:g} effective negatives).")
     if r.effective_negatives[s] < TARGET_NEGATIVES:
         lines.append(f"Even at that start each anchor's update rests on fewer than {TARGET_NEGATIVES:g} negatives: "
                      f"this reference's margins are wide at this weight, and a smaller --reference-weight spreads "
@@ -202,7 +242,8 @@ def verdict(r: ReferenceReport) -> List[str]:
 
 def format_report(r: ReferenceReport) -> str:
     marks = {r.suggested_temperature: '   <- suggested: the default start'}
-    out = [f"{r.store}: {r.samples} samples, batch {r.batch_size}",
+    out = [f"{r.store}: retrieval among {r.samples} samples, batches of {r.batch_size}"
+           + (f" (the store's size; {r.batch_size_asked} asked)" if r.batch_size < r.batch_size_asked else ""),
            "retrieval (%): " + ', '.join(f"{k} {v:.1f}" for k, v in r.retrieval.items())
            + f"; mean recall {r.mean_recall:.1f}",
            "reference margin s_ii - s_ij: " + ', '.join(f"{k} {v:.3f}" for k, v in r.margin.items()),
@@ -219,7 +260,9 @@ def main(argv=None) -> int:
     p.add_argument('store', help='a feature store (of the training data, or of validation data)')
     p.add_argument('--batch-size', type=int, required=True, help='the global batch size of the planned training')
     p.add_argument('--temperature', type=float, default=None, help='also report this τ')
-    p.add_argument('--samples', type=int, default=5000, help='samples to draw from the store (default: %(default)s)')
+    p.add_argument('--samples', type=int, default=None,
+                   help=f'samples to measure retrieval among (default: {DEFAULT_SAMPLES}, or with --clip-recall all '
+                        f'of the store\'s); the batches are drawn from the whole store')
     p.add_argument('--reference-weight', type=float, default=DRRHO_DEFAULTS['reference_weight'],
                    help="drrho's --reference-weight α: the weights are those of α·m/τ (default: %(default)s)")
     p.add_argument('--clip-recall', type=float, default=None,

@@ -8,7 +8,8 @@ import torch
 
 from drrho_openclip.features import FeatureStoreWriter
 from drrho_openclip.reference_check import (SUGGESTED_TEMPERATURE, TARGET_NEGATIVES,
-                                            batch_margins, check, effective_negatives, main, retrieval)
+                                            batch_margins, check, effective_negatives, main, random_batches,
+                                            retrieval)
 
 
 def write_store(root, image, text, dtype='float32'):
@@ -46,16 +47,40 @@ def test_retrieval_and_margins_from_the_definition():
         for k in (1, 5):
             expected[f'{name}_R@{k}'] = 100 * np.mean([r < k for r in ranks])
     assert retrieval(image, text) == pytest.approx(expected)
-    margins = batch_margins(image, text, batch_size=10, batches=2, seed=0)
+    assert retrieval(image, text, chunk=7) == pytest.approx(expected)  # anchors in chunks, the last one short
+    pick = torch.randperm(50, generator=torch.Generator().manual_seed(1))[:10]
+    margins = batch_margins([(image[pick], text[pick])] * 2)
     assert margins.shape == (2 * 2 * 10, 9)
-    # the first batch's image anchors: s_ii − s_ij over its 9 other texts, in column order
-    pick = torch.randperm(50, generator=torch.Generator().manual_seed(1))[:10].numpy()
-    block = sim[np.ix_(pick, pick)]
+    # the image anchors: s_ii − s_ij over the batch's 9 other texts, in column order
+    block = sim[np.ix_(pick.numpy(), pick.numpy())]
     expected = np.stack([block[i, i] - np.delete(block[i], i) for i in range(10)])
     np.testing.assert_allclose(margins[:10].numpy(), expected, rtol=1e-12)
     # the text anchors of the same batch: the transposed block
     expected_text = np.stack([block[i, i] - np.delete(block[:, i], i) for i in range(10)])
     np.testing.assert_allclose(margins[10:20].numpy(), expected_text, rtol=1e-12)
+    # a large batch contributes its first anchors, each over all of its negatives
+    np.testing.assert_allclose(batch_margins([(image[pick], text[pick])], max_anchors=3).numpy(),
+                               np.concatenate([expected[:3], expected_text[:3]]), rtol=1e-12)
+
+
+def test_batches_are_drawn_from_the_whole_store(tmp_path):
+    """The batches are of the size asked, of distinct samples of the whole store, however few --samples retrieval
+    is measured among; a batch larger than the store is the store, and the verdict says so."""
+    rng = np.random.default_rng(3)
+    image = unit(rng.standard_normal((400, 16)))
+    store = write_store(tmp_path / 's', image, unit(image + 0.5 * rng.standard_normal((400, 16))))
+    from drrho_openclip.features import FeatureStore
+    for image_batch, text_batch in random_batches(FeatureStore.open(store), 300, 2, seed=0):
+        assert image_batch.shape == (300, 16) and len({tuple(row.tolist()) for row in image_batch}) == 300
+        assert torch.allclose((image_batch * text_batch).sum(1).max(), torch.tensor(1.0, dtype=torch.float64),
+                              atol=0.5)  # each row's own caption
+    report = check(store, batch_size=300, samples=50)
+    assert report.samples == 50 and report.batch_size == 300
+    assert report.effective_negatives[0.2] > 50  # weights over a batch's 299 negatives, not the 49 of the sample
+    assert not any(line.startswith('The store holds') for line in report.verdict)
+    capped = check(store, batch_size=1000)
+    assert capped.batch_size == 400 and capped.batch_size_asked == 1000
+    assert any(line.startswith('The store holds 400 samples, fewer than a batch of 1000') for line in capped.verdict)
 
 
 def test_a_faithful_reference_beats_a_random_one(tmp_path):
@@ -90,7 +115,7 @@ def test_the_verdict_suggests_the_default_start_and_warns_when_it_is_peaked(tmp_
         suggestion, = [line for line in report.verdict if line.startswith('Suggested:')]
         assert f"τ learned from {SUGGESTED_TEMPERATURE:g}" in suggestion
         assert f"{report.effective_negatives[SUGGESTED_TEMPERATURE]:.0f} of its 63 negatives" in suggestion
-        assert f"start such a batch at τ = {report.auto_temperature:.3g}" in suggestion
+        assert f"--temperature auto, which here would start at τ = {report.auto_temperature:.3g}" in suggestion
     assert any(line.startswith('Even at that start') for line in wide.verdict)
     assert not any(line.startswith('Even at that start') for line in soft.verdict)
 
