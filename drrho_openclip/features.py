@@ -130,10 +130,12 @@ def _first_duplicate(keys: Sequence[str]) -> Optional[str]:
     return None
 
 
-def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text_features: np.ndarray):
+def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text_features: np.ndarray,
+               normalize_hint: str = 'L2-normalise every row'):
     """Check one shard's rows before they are written, as training will read them: one unique key per row, image
     and text features of the same [n, dim] shape, every value finite and every row unit-norm (within
-    UNIT_NORM_TOLERANCE). Raises a FeatureStoreError naming the shard and the first sample key at fault."""
+    UNIT_NORM_TOLERANCE; `normalize_hint` says how to make them so). Raises a FeatureStoreError naming the shard and
+    the first sample key at fault."""
     keys = [str(k) for k in keys]
     image_features, text_features = np.asarray(image_features), np.asarray(text_features)
     for what, array in (('image', image_features), ('text', text_features)):
@@ -157,7 +159,7 @@ def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text
         if off.any():
             row = int(np.argmax(off))
             raise FeatureStoreError(f"shard '{shard}', sample '{keys[row]}' (row {row}): {what} features of norm "
-                                    f"{norms[row]:.4g}, not unit-norm (L2-normalise every row)")
+                                    f"{norms[row]:.4g}, not unit-norm ({normalize_hint})")
 
 
 def _tmp_path(path: Path) -> Path:

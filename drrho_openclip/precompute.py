@@ -40,6 +40,10 @@ from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore
                        FeatureStoreWriter, shard_files, shard_name)
 from .openclip.reference import create_model
 
+# How long a part that finds the store being finished by another waits to see it done (the move takes a moment;
+# longer means that process died holding the lock)
+FINISH_WAIT_S = 60
+
 
 def _env_part():
     """(part, number of parts) of this process under torchrun or in a SLURM job array, else (0, 1)."""
@@ -267,6 +271,10 @@ def _finalize(writer, explicit: bool) -> int:
         logging.info(f"wrote {what} of {store.num_samples} samples ({len(store.shards)} shards, {kind}) to "
                      f"{writer.final}")
         return 0
+    if not explicit:  # parts that end together: the one holding the lock takes a moment to move the store
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while writer.root.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
     if not writer.root.exists():
         logging.info(f"another process finished the store in {writer.final}")
         return 0
@@ -274,7 +282,7 @@ def _finalize(writer, explicit: bool) -> int:
                f"is running, delete that file and run --finalize)")
     if explicit:
         raise SystemExit(message)
-    logging.info(message)
+    logging.warning(message)
     return 0
 
 

@@ -189,7 +189,10 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
             if dim is not None and image.shape[1] != dim:
                 raise FeatureStoreError(f"input '{files[0]}', shard '{name}': features of dimension "
                                         f"{image.shape[1]}, the other shards' are of dimension {dim}")
-            check_rows(name, keys, image, text)
+            try:
+                check_rows(name, keys, image, text, normalize_hint='L2-normalise every row, or import with --normalize')
+            except FeatureStoreError as e:
+                raise FeatureStoreError(f"input '{files[0]}', {e}") from None
             dim = image.shape[1]
             writer.add_shard(name, keys, image, text)
         writer.close()

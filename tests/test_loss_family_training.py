@@ -59,6 +59,7 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     (('--loss', 'adnce', '--epsilon', '0.1'), '--epsilon: no such option for --loss adnce'),
     (('--loss', 'clip', '--temperature', '0.1'), '--temperature: no such option for --loss clip'),
     (('--loss', 'sogclr', '--ref-model', 'x'), 'does not read reference features'),
+    (('--loss', 'clip', '--ref-model', 'x'), 'drop --ref-features/--ref-model or distill from them with --distill-weight'),
     (('--loss', 'balanced', '--balance-steps', '0'), 'at least one balancing step'),
     (('--loss', 'drrho', '--gamma', '1.5', '--ref-model', 'x'), 'gamma'),
     (('--loss', 'sogclr', '--gamma', '1', '--gamma-decay-epochs', '4'),

@@ -189,6 +189,37 @@ def test_parts_that_end_together_finish_the_store_once(tmp_path):
     assert not (tmp_path / 'ref.partial').exists()
 
 
+def test_a_part_that_finds_the_store_being_finished_waits_for_it(tmp_path, monkeypatch, caplog):
+    """Parts that end together (torchrun ranks): the one that finds the finishing lock taken waits to see the store
+    in place and says so; only a lock that stays (its holder died) earns the warning."""
+    import threading
+    from drrho_openclip.features import LOCK
+    out = tmp_path / 'ref'
+    first, second = (FeatureStoreWriter(out, 'm', '', dtype='float16', shards=['a']) for _ in range(2))
+    first.add_shard('a', ['x'], np.eye(4)[:1], np.eye(4)[:1])
+    lock = tmp_path / 'ref.partial' / LOCK
+    lock.touch()  # the other part took it, and finishes a moment later
+
+    def the_other_part_finishes():
+        lock.unlink()
+        assert second.close()
+    finisher = threading.Timer(0.5, the_other_part_finishes)
+    finisher.start()
+    caplog.set_level('INFO')
+    assert precompute._finalize(first, explicit=False) == 0
+    finisher.join()
+    assert 'another process finished the store' in caplog.text and 'exists' not in caplog.text
+    assert [s.name for s in FeatureStore.open(out).shards] == ['a']
+
+    again = FeatureStoreWriter(tmp_path / 'ref2', 'm', '', dtype='float16', shards=['a'])
+    again.add_shard('a', ['x'], np.eye(4)[:1], np.eye(4)[:1])
+    (tmp_path / 'ref2.partial' / LOCK).touch()  # held by a process that died
+    monkeypatch.setattr(precompute, 'FINISH_WAIT_S', 0.3)
+    caplog.clear()
+    assert precompute._finalize(again, explicit=False) == 0
+    assert "finalize.lock' exists: another process is finishing the store (or died doing so" in caplog.text
+
+
 def test_a_part_whose_store_another_part_finished_says_so(data, tmp_path, monkeypatch, caplog):
     out = tmp_path / 'ref'
     assert precompute.main(data['args'] + ['--output', out, '--num-parts', 2, '--part', 1]) == 0

@@ -127,8 +127,9 @@ def corrupt(wds, fault):
     ('foreign', r"input '.*part-2.npz', shard 'part-2': 1 keys are not samples of the data, e.g. 'not_a_sample'"),
     ('missing', r"input '.*part-2.npz', shard 'part-2': 1 samples of the data have no features, e.g. "
                 r"'sample_2_15_x'"),
-    ('nan', r"shard 'part-2', sample 'sample_2_06_x' \(row 6\): non-finite text features"),
-    ('norm', r"shard 'part-2', sample 'sample_2_07_x' \(row 7\): image features of norm 3, not unit-norm"),
+    ('nan', r"input '.*part-2.npz', shard 'part-2', sample 'sample_2_06_x' \(row 6\): non-finite text features"),
+    ('norm', r"input '.*part-2.npz', shard 'part-2', sample 'sample_2_07_x' \(row 7\): image features of norm 3, "
+             r"not unit-norm \(L2-normalise every row, or import with --normalize\)"),
     ('dim', r"input '.*part-2.npz', shard 'part-2': features of dimension 4, the other shards' are of dimension 8"),
 ])
 def test_a_faulty_input_names_the_shard_and_key_and_leaves_the_store_as_it_was(wds, tmp_path, fault, message):

@@ -165,7 +165,8 @@ def check_args(args, parser) -> Run:
                      f"drrho-openclip-features) or --ref-model NAME --ref-pretrained TAG")
     if uses_reference and not reads_reference:
         parser.error(f"--loss {args.loss} with these options does not read reference features; drop "
-                     f"--ref-features/--ref-model" + (" or set --reference-shift" if 'reference_shift' in own else ""))
+                     f"--ref-features/--ref-model" + (" or set --reference-shift" if 'reference_shift' in own else "")
+                     + (" or distill from them with --distill-weight λ" if 'distill_weight' in own else ""))
     if args.ref_features is not None and args.ref_model is not None:
         parser.error("give either --ref-features or --ref-model, not both")
     if args.ref_pretrained is not None and args.ref_model is None:
