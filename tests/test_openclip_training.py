@@ -150,6 +150,13 @@ def test_features_of_another_csv_are_rejected(shapes, tmp_path):
     assert not (tmp_path / 'x').exists()  # stopped at start-up, before OpenCLIP created the run
 
 
+def test_features_cannot_describe_synthetic_data(shapes, tmp_path):
+    result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', shapes['ref'],
+                                     '--dataset-type', 'synthetic', '--train-num-samples', '16'), check=False)
+    assert result.returncode == 2 and '--dataset-type synthetic has no samples a store can describe' in result.stderr
+    assert not (tmp_path / 'x').exists()
+
+
 def test_corrupt_feature_file_names_the_shard(shapes, tmp_path):
     import shutil
     broken = tmp_path / 'ref'

@@ -241,11 +241,11 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
     WebDataset shard of --train-data must be one of the store's, and a CSV must be the store's whole index, row by
     row (its image paths are the keys). Keys within a tar shard are looked up as its samples arrive."""
     kind = input_kind(args.train_data, args.dataset_type)
-    if args.train_data is None:
-        return
     try:
         if kind == 'synthetic':
             raise FeatureStoreError("--dataset-type synthetic has no samples a store can describe")
+        if args.train_data is None:
+            return
         if kind == 'csv':
             import pandas as pd
             images = pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key])[args.csv_img_key]
