@@ -202,8 +202,8 @@ def verdict(r: ReferenceReport) -> List[str]:
     lines.append(f"Suggested: drrho's default, τ learned from {s:g} on the paper's SogCLR estimate (--lr-tau auto); "
                  f"at batch {r.batch_size} and reference weight {r.reference_weight:g} it starts each anchor's update "
                  f"on about {r.effective_negatives[s]:.0f} of its {negatives} negatives. Lower starts lost to "
-                 f"--loss clip in every real-data setting measured (0.0035 to 0.035, among them --temperature auto, "
-                 f"which here would start at τ = {r.auto_temperature:.3g}: the median anchor on "
+                 f"--loss clip in every real-data setting measured (0.0035 to 0.035, --temperature auto's among "
+                 f"them); here --temperature auto would start at τ = {r.auto_temperature:.3g} (the median anchor on "
                  f"{TARGET_NEGATIVES:g} effective negatives).")
     if r.effective_negatives[s] < TARGET_NEGATIVES:
         lines.append(f"Even at that start each anchor's update rests on fewer than {TARGET_NEGATIVES:g} negatives: "

@@ -115,7 +115,7 @@ def test_the_verdict_suggests_the_default_start_and_warns_when_it_is_peaked(tmp_
         suggestion, = [line for line in report.verdict if line.startswith('Suggested:')]
         assert f"τ learned from {SUGGESTED_TEMPERATURE:g}" in suggestion
         assert f"{report.effective_negatives[SUGGESTED_TEMPERATURE]:.0f} of its 63 negatives" in suggestion
-        assert f"--temperature auto, which here would start at τ = {report.auto_temperature:.3g}" in suggestion
+        assert f"here --temperature auto would start at τ = {report.auto_temperature:.3g}" in suggestion
     assert any(line.startswith('Even at that start') for line in wide.verdict)
     assert not any(line.startswith('Even at that start') for line in soft.verdict)
 
