@@ -34,11 +34,16 @@ def resolve_dataset_type(args):
     return args
 
 
+def shard_urls(train_data: str):
+    """Every WebDataset shard URL of --train-data: its '::'-joined sources, brace-expanded, in order."""
+    return [url for source in train_data.split('::') for url in braceexpand.braceexpand(source)]
+
+
 def sources(args):
     """[(store shard name, source)] in store order: the CSV file, or every WebDataset shard URL as given."""
     if args.dataset_type == 'csv':
         return [(shard_name(args.train_data), args.train_data)]
-    urls = [u for source in args.train_data.split('::') for u in braceexpand.braceexpand(source)]
+    urls = shard_urls(args.train_data)
     names = [shard_name(u) for u in urls]
     if len(set(names)) != len(names):
         raise SystemExit('shard file names must be unique: the store keys shards by file name')

@@ -80,9 +80,9 @@ class ReferenceReport:
     verdict: List[str] = field(default_factory=list)
 
 
-def _sample(store: FeatureStore, count: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    index = torch.randperm(store.num_samples, generator=g)[:count].sort().values
+def _sample(store: FeatureStore, count: int, generator: torch.Generator):
+    """(image, text) features of `count` distinct random samples of the store, in store order, float64."""
+    index = torch.randperm(store.num_samples, generator=generator)[:count].sort().values
     image, text = store.batch_features(index)
     return image.double(), text.double()
 
@@ -106,11 +106,7 @@ def retrieval(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dic
 def random_batches(store: FeatureStore, batch_size: int, batches: int, seed: int):
     """`batches` random batches of `batch_size` distinct samples of the whole store: [(image, text)], float64."""
     g = torch.Generator().manual_seed(seed + 1)
-    out = []
-    for _ in range(batches):
-        image, text = store.batch_features(torch.randperm(store.num_samples, generator=g)[:batch_size].sort().values)
-        out.append((image.double(), text.double()))
-    return out
+    return [_sample(store, batch_size, g) for _ in range(batches)]
 
 
 def batch_margins(batches, max_anchors: int = None) -> torch.Tensor:
@@ -156,7 +152,7 @@ def check(store_dir, batch_size: int, temperature: float = None, samples: int = 
         raise FlagConflict(f"--clip-recall is compared with the reference's recall over the same pairs, and "
                            f"'{store.root}' holds {store.num_samples}: give --samples {store.num_samples} (or more), "
                            f"or leave --samples out")
-    image, text = _sample(store, count, seed)
+    image, text = _sample(store, count, torch.Generator().manual_seed(seed))
     recalls = retrieval(image, text)
     batch = min(batch_size, store.num_samples)
     drawn = random_batches(store, batch, batches, seed)

@@ -5,9 +5,7 @@ import re
 import shutil
 import textwrap
 
-import braceexpand
-
-from ..data import input_kind
+from ..data import input_kind, shard_urls
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -247,17 +245,21 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
         if args.train_data is None:
             return
         if kind == 'csv':
-            import pandas as pd
-            images = pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key])[args.csv_img_key]
-            check_csv_keys(store, args.train_data, images.tolist())
+            images = _csv_images(args)
+            check_csv_keys(store, args.train_data, images)
             if store.num_samples != len(images):  # the row number is the dense index: no other shard may come first
                 raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples, the CSV has {len(images)}")
         else:
-            for source in args.train_data.split('::'):
-                for url in braceexpand.braceexpand(source):
-                    store.shard(shard_name(url))
+            for url in shard_urls(args.train_data):
+                store.shard(shard_name(url))
     except FeatureStoreError as e:
         parser.error(f"{flag(option)} was not written for --train-data: {e}")
+
+
+def _csv_images(args) -> list:
+    """The image paths of the training CSV, one per row (the column OpenCLIP's CsvDataset reads)."""
+    import pandas as pd
+    return pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key])[args.csv_img_key].tolist()
 
 
 def check_csv_keys(store, csv_path, images):
@@ -282,6 +284,5 @@ def _sample_index_size(args, index_store) -> int:
     if kind == 'synthetic':
         return args.train_num_samples
     if kind == 'csv':
-        import pandas as pd
-        return len(pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key]))
+        return len(_csv_images(args))
     return 0  # WebDataset without a store: the loss keeps no per-sample state (the checks make sure)
