@@ -32,13 +32,19 @@ def median_effective_negatives(ref_image, ref_text, tau):
 
 
 @pytest.mark.parametrize('n, k', [(32, 8.0), (64, 8.0), (64, 3.0)])
-def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k):
+def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k, caplog):
     g = torch.Generator().manual_seed(n + int(k))
     image, text, ref_image, ref_text = batch(g, n, d=8, ref_d=8)
     loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=k,
                        lr_tau=0.01).double()
-    call(loss, image, text, ref_image, ref_text)
-    tau = loss.metrics()['tau_image_mean']  # the τ the first call used: the one chosen before its step
+    with caplog.at_level('INFO'):
+        call(loss, image, text, ref_image, ref_text)
+        tau = loss.metrics()['tau_image_mean']  # the τ the first call used: the one chosen before its step
+        call(loss, image, text, ref_image, ref_text)
+    # the chosen start gets a log line of its own, once
+    said = [r.getMessage() for r in caplog.records if "temperature 'auto' starts at" in r.getMessage()]
+    assert said == [f"drrho-openclip: temperature 'auto' starts at τ = {tau:.4g}: the reference shift alone gives "
+                    f"the first batch's median anchor {k:g} effective negatives"]
     assert get_loss_spec('drrho').defaults['tau_min'] < tau < get_loss_spec('drrho').defaults['tau_max']
     # the weights see the shift α·m: at τ they are those of the margins m at τ/α
     assert median_effective_negatives(ref_image, ref_text, tau / ALPHA) == pytest.approx(k, rel=1e-6)

@@ -18,6 +18,7 @@ effective number n_eff = exp(entropy) = (B − 1)·exp(−KL(p ‖ uniform)), an
 τ settles where the anchors' KL is ρ. One number, the target effective negatives per anchor k, therefore sets both
 the τ to start from (`temperature_for_effective_negatives`) and ρ = log((B − 1)/k) (`rho_for_batch`).
 """
+import logging
 import math
 from typing import Optional
 
@@ -28,6 +29,8 @@ from torch import nn
 from .collectives import all_reduce, check_device
 from .precision import at_least_float32
 from .state import SampleSharding
+
+logger = logging.getLogger(__name__)
 
 
 class FixedTemperature(nn.Module):
@@ -198,6 +201,9 @@ class LearnedTemperature(nn.Module):
                 tau = temperature_for_effective_negatives(margins, self.target_negatives, self.tau_min, self.tau_max)
                 self.log_tau.copy_(tau.log())
             self._chosen = True
+            # once per run: the τ it starts from is otherwise seen only in the first logged step's metrics
+            logger.info(f"drrho-openclip: temperature 'auto' starts at τ = {tau.item():.4g}: the reference shift "
+                        f"alone gives the first batch's median anchor {self.target_negatives:g} effective negatives")
         if self.lr == 0:
             tau = self.log_tau.exp()
         else:
