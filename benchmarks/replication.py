@@ -440,6 +440,13 @@ class Dataset:
                 return
             yield sample
 
+    def captions(self) -> list:
+        """Every caption, in file order (no image is read)."""
+        if self.is_csv:
+            return [str(c) for c in self.frame[self.args.csv_caption_key]]
+        import webdataset as wds
+        return [t.decode('utf-8') for t, in wds.WebDataset(self.shards, shardshuffle=False).to_tuple('txt')]
+
     def labelled_pairs(self, limit: int):
         """Up to `limit` (PIL image, label, caption or None where the data has no captions) in file order."""
         from PIL import Image
@@ -513,15 +520,34 @@ def _test_set(task):
     return images, labels, (tokenizer(distinct), torch.tensor([index[c] for c in captions]))
 
 
-def heldout_retrieval(model, images, texts, labels=None) -> dict:
+def heldout_retrieval(model, images, texts, labels=None, known=None) -> dict:
     """Image→text and text→image R@1 and R@5 (%) over the test pairs (drrho_openclip.reference_check.retrieval: a
     pair counts as retrieved when its own caption, or its own image, ranks among the top k), and `mean_recall`, the
     mean of the four. `texts` = (distinct captions tokenized, each pair's index into them): identical captions get
     identical features, so they tie exactly, and a tie does not rank above the pair's own caption. With the pairs'
-    class `labels`, also the class-level top-1 both ways (`class_top1`)."""
+    class `labels`, also the class-level top-1 both ways (`class_top1`). With `known`, a boolean per pair, also the
+    mean recall of the pairs it marks and of the others as queries (against all candidates): `known_tokens_recall`
+    and `new_tokens_recall`."""
+    import torch
     tokens, index = texts
     image_features, text_features = _features(model, images, tokens)
-    return recall_with_mean(image_features, text_features[index], labels)
+    out = recall_with_mean(image_features, text_features[index], labels)
+    if known is not None:
+        from drrho_openclip.reference_check import retrieval_ranks
+        ranks = retrieval_ranks(image_features.double(), text_features[index].double())
+        hits = torch.stack([(rank < k).double() for rank in ranks.values() for k in (1, 5)]).mean(0)  # per pair
+        out['known_tokens_recall'] = 100 * hits[known].mean().item()
+        out['new_tokens_recall'] = 100 * hits[~known].mean().item()
+    return out
+
+
+def known_tokens(tokenizer, test_tokens: 'torch.Tensor', train_captions) -> 'torch.Tensor':
+    """Per tokenized test caption: whether each of its tokens occurs in some training caption as the model reads it
+    (tokenized and cut to the context length). A token no training caption has keeps its initial embedding in a
+    target trained from scratch, whatever the loss, so retrieval on captions with one rests on their other tokens."""
+    import torch
+    trained = torch.unique(tokenizer(list(train_captions)))
+    return torch.isin(test_tokens, trained).all(dim=1)
 
 
 CLASS_KEYS = ('image_to_text_class@1', 'text_to_image_class@1')
@@ -672,7 +698,11 @@ def run_task(task: dict) -> dict:
         model, _, tokenizer = _load(task['model'], checkpoint)
         curve.append((epoch * task['samples_per_epoch'], zero_shot_accuracy(model, tokenizer, images, labels, classes)))
         if texts is not None and epoch == task['epochs']:
-            result['retrieval'] = heldout_retrieval(model, images, texts, labels)
+            train_captions = Dataset(task['train_data'], task['args']).captions
+            known = _cached(('known', task['test_data'], task['train_data']),
+                            lambda: known_tokens(tokenizer, texts[0], train_captions()))
+            result['retrieval'] = heldout_retrieval(model, images, texts, labels, known[texts[1]])
+            result['known_token_pairs'] = int(known[texts[1]].sum())
             result['mean_recall'] = result['retrieval'].pop('mean_recall')
         if task.get('variance_data') and epoch == task['epochs']:
             vimages, vtexts = _cached(('variance', task['variance_data']), lambda: _variance_set(task))
@@ -841,6 +871,8 @@ def summarize(runs, losses, fractions=FRACTIONS):
                 if 'retrieval' in done[0]:
                     entry['mean_recall'] = mean_std([r['mean_recall'] for r in done])
                     entry['retrieval'] = {k: mean_std([r['retrieval'][k] for r in done]) for k in done[0]['retrieval']}
+                    if 'known_token_pairs' in done[0]:
+                        entry['known_token_pairs'] = done[0]['known_token_pairs']
             table.setdefault(loss, {})[str(fraction)] = entry
     return table
 
@@ -932,6 +964,19 @@ def markdown(report) -> str:
                 lines.append(f"| {loss} | " + ' | '.join(fmt(e['retrieval'][k], 1) for k in RECALL_KEYS)
                              + f" | {fmt(e['mean_recall'], 1)} |"
                              + ''.join(f" {fmt(e['retrieval'][k], 1)} |" for k in classes))
+    known = {loss: per_fraction['1.0'] for loss, per_fraction in s.items()
+             if 'known_tokens_recall' in per_fraction['1.0'].get('retrieval', {})}
+    if known:
+        pairs = next(iter(known.values()))['known_token_pairs']
+        lines += ['', "## Retrieval by the test caption's tokens (100% data, %)", '',
+                  f"{pairs} of the {report['reference_test_images']} test captions use only tokens that occur in the "
+                  f"training captions; each of the others holds a token no training caption has, whose embedding a "
+                  f"target trained from scratch never learns, whatever its loss. Mean recall with the pairs of each "
+                  f"group as queries, against all candidates.", '',
+                  '| loss | only known tokens | a new token |', '|---|---:|---:|']
+        for loss, e in known.items():
+            lines.append(f"| {loss} | {fmt(e['retrieval']['known_tokens_recall'], 1)} | "
+                         f"{fmt(e['retrieval']['new_tokens_recall'], 1)} |")
     lines += ['', "## Variance of the plain vs the RHO loss at the trained model (100% data, §6.1)", '',
               f"Over the target's {c['variance_samples']} training pairs, per-sample mini-batch CLIP loss (batches of "
               f"{c['batch_size']}, τ = {VARIANCE_TEMPERATURE} for both models). Var ℓ(θ,z) is the plain loss of "
@@ -1203,7 +1248,7 @@ def main(argv=None):
                 extra = ['--loss', *name_and_flags] + (['--ref-features', stores[fraction]] if needs_ref else [])
                 tasks.append(dict(common, name=name, loss=loss, fraction=fraction, seed=seed, epochs=epochs,
                                   samples_per_epoch=n // args.batch_size * args.batch_size,
-                                  reference=reference,
+                                  reference=reference, train_data=subsets[fraction].spec,
                                   variance_data=data['train'] if fraction == 1.0 else None,
                                   variance_samples=size,
                                   argv=train_argv(model, subsets[fraction], n, logs, name, epochs, args, seed, extra)))

@@ -87,8 +87,8 @@ def _sample(store: FeatureStore, count: int, generator: torch.Generator):
     return image.double(), text.double()
 
 
-def retrieval(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dict[str, float]:
-    """R@1 and R@5 (%) of each sample's own caption among all texts, and of its own image among all images (in
+def retrieval_ranks(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dict[str, torch.Tensor]:
+    """Per sample and direction, how many candidates score above its own caption (image), ties not counted (in
     chunks of anchors: memory O(chunk · n), not n²)."""
     out = {}
     for direction, anchors, candidates in (('image_to_text', image, text), ('text_to_image', text, image)):
@@ -96,11 +96,15 @@ def retrieval(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dic
         for start in range(0, len(anchors), chunk):
             sim = anchors[start:start + chunk] @ candidates.T
             positive = sim[:, start:start + chunk].diagonal()  # from the same product: rounded alike
-            ranks.append((sim > positive[:, None]).sum(dim=1))  # candidates scored above the positive
-        rank = torch.cat(ranks)
-        for k in (1, 5):
-            out[f'{direction}_R@{k}'] = 100 * (rank < k).double().mean().item()
+            ranks.append((sim > positive[:, None]).sum(dim=1))
+        out[direction] = torch.cat(ranks)
     return out
+
+
+def retrieval(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dict[str, float]:
+    """R@1 and R@5 (%) of each sample's own caption among all texts, and of its own image among all images."""
+    return {f'{direction}_R@{k}': 100 * (rank < k).double().mean().item()
+            for direction, rank in retrieval_ranks(image, text, chunk).items() for k in (1, 5)}
 
 
 def random_batches(store: FeatureStore, batch_size: int, batches: int, seed: int):

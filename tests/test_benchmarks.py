@@ -218,6 +218,27 @@ def test_heldout_retrieval_counts_the_own_caption_and_ties_for_it():
     assert not set(replication.CLASS_KEYS) & set(got)  # no labels, no class-level top-1
 
 
+def test_heldout_retrieval_split_by_known_tokens():
+    images = torch.eye(4)[[0, 1, 2, 0]]
+    tokens = torch.eye(4)[[0, 1, 2]]
+    known = torch.tensor([True, True, False, False])
+    got = replication.heldout_retrieval(IdentityEncoder(), images, (tokens, torch.tensor([0, 1, 2, 2])), known=known)
+    # pairs 0-2 are found at R@1 and R@5 both ways; pair 3 (image 0's features, caption 2's) at R@5 only
+    assert got['known_tokens_recall'] == 100.0 and got['new_tokens_recall'] == 75.0
+    assert got['mean_recall'] == pytest.approx(np.mean([100.0, 100.0, 100.0, 50.0]))
+
+
+def test_known_tokens_are_those_of_training_captions_as_the_model_reads_them():
+    import open_clip
+    def tokenizer(texts):
+        return open_clip.tokenize(texts, context_length=8)
+    test = tokenizer(['red apple', 'green apple', 'zebra', 'apple red apple red apple red zebra'])
+    # 'green' is in no training caption; 'zebra' is in one, past the context, so the model never reads it there;
+    # the last caption's is past the context too
+    assert replication.known_tokens(tokenizer, test, ['a red apple', 'red red red red red red zebra']).tolist() == [
+        True, False, False, True]
+
+
 def test_class_top1_counts_any_item_of_the_querys_class():
     """Class@1 asks for the top-ranked candidate to be of the query's class (ties for it), not to be the pair's own;
     it is not part of the mean recall."""
@@ -310,6 +331,14 @@ def test_replication_tables_have_a_column_group_per_fraction():
     assert '| mean recall | image→text class@1 | text→image class@1 |' in md
     assert '| reference | 4.0 | 4.0 | 4.0 | 4.0 | 4.0 | 4.0 | 4.0 |' in md
     assert '| clip | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 6.0 ± 1.0 | 31.0 ± 1.0 | 31.0 ± 1.0 |' in md
+    assert 'only known tokens' not in md
+    # runs split by the test captions' tokens get a table of their own
+    for run in runs:
+        run['retrieval'].update(known_tokens_recall=10.0 + run['seed'], new_tokens_recall=2.0)
+        run['known_token_pairs'] = 4
+    report.update(summary=replication.summarize(runs, ['clip'], [0.5, 1.0]))
+    md = replication.markdown(report)
+    assert '4 of the 10 test captions use only tokens' in md and '| clip | 11.0 ± 1.0 | 2.0 ± 0.0 |' in md
 
 
 def test_overheads_smoke_writes_its_json(tmp_path):
