@@ -336,6 +336,19 @@ def test_shard_sets_of_deleted_checkpoints_are_removed(tmp_path):
                                                       'other.loss_state']
 
 
+def test_a_run_that_does_not_shard_removes_the_sets_of_a_sharded_checkpoint_it_resumed(tmp_path):
+    from types import SimpleNamespace
+    from drrho_openclip.openclip.checkpoints import checkpoints_saved
+    root = tmp_path / 'checkpoints'
+    (root / 'epoch_1.loss_state').mkdir(parents=True)  # a two-rank sharded run's, resumed here on one rank
+    (root / 'epoch_2.loss_state').mkdir()
+    (root / 'epoch_2.pt').write_bytes(b'')
+    replicated = SimpleNamespace(loss=build('isogclr'))
+    assert not replicated.loss.sharding.sharded
+    checkpoints_saved(replicated, 3, [str(root / 'epoch_3.pt')], SimpleNamespace(rank=0))
+    assert sorted(p.name for p in root.iterdir()) == ['epoch_2.loss_state', 'epoch_2.pt']
+
+
 def test_a_shard_set_saved_again_replaces_the_first(tmp_path):
     """The same epoch saved twice (a run resumed from an earlier checkpoint): the second set replaces the first,
     which is moved aside until then, and nothing of either save is left beside it."""

@@ -59,8 +59,9 @@ def resolve_loss_state(loss, loss_state, args):
 
 
 def checkpoints_saved(run: Run, completed_epoch, checkpoint_files, args):
-    """Rank 0, once every rank has saved: the shard sets no checkpoint refers to any more go."""
-    if args.rank == 0 and _sharded(run.loss) and checkpoint_files:
+    """Rank 0, once every rank has saved: the shard sets no checkpoint refers to any more go, also in a run that
+    does not shard (it may have resumed a sharded run's checkpoint from its own folder)."""
+    if args.rank == 0 and checkpoint_files:
         remove_unreferenced_shard_sets(Path(checkpoint_files[0]).parent, completed_epoch, checkpoint_files)
 
 
@@ -78,6 +79,9 @@ def remove_unreferenced_shard_sets(root: Path, completed_epoch: int, checkpoint_
     epoch_N.loss_state is kept while epoch_N.pt exists (--delete-previous-checkpoint removes it) or while another
     checkpoint (epoch_latest.pt) names it; the files written this epoch (`checkpoint_files`) name this epoch's set.
     An unreadable checkpoint keeps every set."""
+    sets = [path for path in root.iterdir() if SHARD_SET.fullmatch(path.name) and path.is_dir()]
+    if not sets:  # no checkpoint is read: the usual case of a run that does not shard
+        return
     written = {Path(f).name for f in checkpoint_files}
     referenced = {f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}'}
     for path in root.glob('*.pt'):
@@ -87,10 +91,8 @@ def remove_unreferenced_shard_sets(root: Path, completed_epoch: int, checkpoint_
         if shard_set is None:
             return
         referenced.add(shard_set)
-    for path in root.iterdir():
+    for path in sets:
         match = SHARD_SET.fullmatch(path.name)
-        if match is None or not path.is_dir():
-            continue
         staging, epoch = match.group(2), int(match.group(1))
         if staging or (path.name not in referenced and not (root / f'epoch_{epoch}.pt').is_file()):
             shutil.rmtree(path, ignore_errors=True)
