@@ -67,6 +67,12 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     (('--loss', 'balanced', '--temperature', '0.005'), "which OpenCLIP clamps to τ in [0.01, 1.0]"),
     (('--loss', 'drrho', '--temperature-optimizer', 'model', '--temperature', '0.005', '--ref-model', 'x'),
      "learns τ here as the model's logit_scale"),
+    # OpenCLIP's modes with a loss of their own, which a plugin loss would replace
+    (('--loss', 'sogclr', '--siglip'), "--siglip: --loss sogclr replaces OpenCLIP's loss"),
+    (('--loss', 'clip', '--distill-weight', '0.5', '--ref-model', 'x', '--distill-model', 'y',
+      '--distill-pretrained', 'z'), "--distill-model: --loss clip with --distill-weight replaces OpenCLIP's loss"),
+    (('--loss', 'fastclip', '--model', 'coca_ViT-B-32'), 'a CoCa model trains with a captioning loss as well'),
+    (('--loss', 'sogclr', '--horovod'), '--horovod: --loss sogclr communicates through torch.distributed'),
 ])
 def test_bad_flag_combinations_fail_at_start_up(shapes, tmp_path, flags_, message):
     result = run_openclip(train_args(shapes, tmp_path, 'x', *flags_), check=False)

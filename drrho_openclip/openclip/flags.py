@@ -152,6 +152,9 @@ def check_args(args, parser) -> Run:
         parser.error(f"{', '.join(foreign)}: no such option for --loss {args.loss} (its options: "
                      f"{', '.join(map(flag, own)) or 'none'})")
     options = loss_options(args.loss, **given)
+    plain_clip = args.loss == 'clip' and not options.distill_weight
+    if not plain_clip:
+        _check_openclip_modes(args, parser)
     unread = inactive_options(args.loss, options)
     for option in given:
         if option in unread:
@@ -204,9 +207,27 @@ def check_args(args, parser) -> Run:
         if store is not None:
             _check_store_covers_training_data(parser, option, store, args)
     index_store = sample_index or reference_store
-    return Run(loss_name=args.loss, plain_clip=args.loss == 'clip' and not options.distill_weight, options=in_force,
+    return Run(loss_name=args.loss, plain_clip=plain_clip, options=in_force,
                reference_store=reference_store, index_store=index_store,
                sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings)
+
+
+def _check_openclip_modes(args, parser):
+    """OpenCLIP's training modes that a plugin loss cannot stand in for: it replaces OpenCLIP's loss, so their own
+    loss would not run and the model's extra outputs would reach a loss that does not read them."""
+    loss = f"--loss {args.loss}" + (" with --distill-weight" if args.loss == 'clip' else '')
+    if getattr(args, 'siglip', False):
+        parser.error(f"--siglip: {loss} replaces OpenCLIP's loss, so the sigmoid loss would not run; drop --siglip")
+    if getattr(args, 'distill_model', None):
+        parser.error(f"--distill-model: {loss} replaces OpenCLIP's loss, so its distillation from that model would "
+                     f"not run; distill from a reference model's features with --distill-weight λ and "
+                     f"--ref-features or --ref-model (the losses of `--help` that read it)")
+    if 'coca' in (args.model or '').lower():  # the test OpenCLIP's create_loss makes
+        parser.error(f"--model {args.model}: a CoCa model trains with a captioning loss as well, which {loss} "
+                     f"does not compute; drrho-openclip's losses are for contrastive models")
+    if getattr(args, 'horovod', False):
+        parser.error(f"--horovod: {loss} communicates through torch.distributed, which Horovod does not set up; "
+                     f"launch with torchrun (see launch/)")
 
 
 def _check_sample_index(args, parser, keeps_state: bool, reads_reference: bool):
