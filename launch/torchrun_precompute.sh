@@ -9,8 +9,9 @@
 set -euo pipefail
 
 # ---- settings: edit here, or set them in the environment ----
-MODEL=${MODEL:-ViT-B-32}
-PRETRAINED=${PRETRAINED-openai}                        # a tag or a checkpoint file; empty: none
+# the reference model: REF_ (the training scripts' MODEL is the model trained, and sbatch passes the environment on)
+REF_MODEL=${REF_MODEL:-ViT-B-32}
+REF_PRETRAINED=${REF_PRETRAINED-openai}                # a tag or a checkpoint file; empty: none
 TRAIN_DATA=${TRAIN_DATA:-"/data/cc3m/shards/{00000..00331}.tar"}
 OUTPUT=${OUTPUT:-/data/cc3m/ref_features}
 DTYPE=${DTYPE:-float16}                                # float16, float32 or int8
@@ -20,9 +21,9 @@ NPROC=${NPROC:-gpu}                                    # processes; "gpu": one p
 
 cmd=(torchrun --standalone --nproc_per_node="$NPROC"
      -m drrho_openclip.precompute --   # `--`: arguments after it are the module's, never torchrun's
-     --model "$MODEL" --train-data "$TRAIN_DATA" --output "$OUTPUT" --dtype "$DTYPE"
+     --model "$REF_MODEL" --train-data "$TRAIN_DATA" --output "$OUTPUT" --dtype "$DTYPE"
      --batch-size "$BATCH_SIZE" --workers "$WORKERS")
-[[ -n "$PRETRAINED" ]] && cmd+=(--pretrained "$PRETRAINED")
+[[ -n "$REF_PRETRAINED" ]] && cmd+=(--pretrained "$REF_PRETRAINED")
 cmd+=("$@")   # later flags win: arguments of this script override the settings
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

@@ -18,7 +18,8 @@ REF_FEATURES=${REF_FEATURES-/data/cc3m/ref_features}   # set empty for a loss th
 SAMPLE_INDEX=${SAMPLE_INDEX-}                          # WebDataset, a stateful loss without REF_FEATURES: a store of
                                                        # the shards' keys (drrho-openclip-features --keys-only)
 LOGS=${LOGS:-./logs}
-NAME=${NAME:-$LOSS-$MODEL}                             # fixed: what --resume latest looks up
+NAME=${NAME:-$LOSS-${MODEL//[\/:]/-}}                  # fixed: what --resume latest looks up (no / or : of
+                                                       # an hf-hub: or local-dir: model name in a folder name)
 TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 256 --epochs 30 --lr 1e-3 --wd 0.1 --warmup 2000 --workers 6 \
     --precision amp_bf16 --save-frequency 1"}   # bf16: Ampere and newer; --precision amp on V100
 NPROC=${NPROC:-gpu}                                    # processes; "gpu": one per visible GPU
@@ -26,7 +27,7 @@ NPROC=${NPROC:-gpu}                                    # processes; "gpu": one p
 cmd=(torchrun --standalone --nproc_per_node="$NPROC"
      -m open_clip_train.main --   # `--`: torchrun would read --logs as one of its own options (torch >= 2.14)
      --logs "$LOGS" --name "$NAME" --model "$MODEL" --train-data "$TRAIN_DATA" --loss "$LOSS"
-     # resume from epoch_latest.pt: written atomically, unlike epoch_N.pt, which a job killed while saving truncates
+     # resume from the newest checkpoint, epoch_latest.pt (the plugin writes every checkpoint file atomically)
      --resume latest --save-most-recent)
 [[ -n "$TRAIN_NUM_SAMPLES" ]] && cmd+=(--train-num-samples "$TRAIN_NUM_SAMPLES")
 [[ -n "$REF_FEATURES" ]] && cmd+=(--ref-features "$REF_FEATURES")

@@ -104,6 +104,25 @@ def test_torchrun_train_is_standalone():
 
 
 @pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
+def test_the_default_run_name_is_one_folder_for_any_model_name(script):
+    for model, name in (('ViT-B-16', 'drrho-ViT-B-16'),
+                        ('hf-hub:timm/ViT-B-16-SigLIP', 'drrho-hf-hub-timm-ViT-B-16-SigLIP'),
+                        ('local-dir:/models/tiny', 'drrho-local-dir--models-tiny')):
+        args = training_args(printed_command(script, MODEL=model))
+        assert option(args, '--model') == model and option(args, '--name') == name
+
+
+@pytest.mark.parametrize('script', ['torchrun_precompute.sh', 'slurm_precompute.sbatch'])
+def test_precompute_reads_the_reference_model_from_its_own_variables(script):
+    # MODEL is the training scripts' model trained: set for one job, it must not change another's reference
+    env = dict(SLURM_ARRAY_TASK_ID=0, SLURM_ARRAY_TASK_MIN=0, SLURM_ARRAY_TASK_COUNT=2)
+    cmd = printed_command(script, MODEL='ViT-L-14', PRETRAINED='x', **env)
+    assert option(cmd, '--model') == 'ViT-B-32' and option(cmd, '--pretrained') == 'openai'
+    cmd = printed_command(script, REF_MODEL='ViT-L-14', REF_PRETRAINED='dfn2b', **env)
+    assert option(cmd, '--model') == 'ViT-L-14' and option(cmd, '--pretrained') == 'dfn2b'
+
+
+@pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
 def test_train_scripts_pass_openclips_loss_options_only_to_the_losses_that_read_them(script):
     # a loss given --local-loss/--gather-with-grad that it does not read warns at start-up: the default LOSS=drrho
     # must not, and clip must still get OpenCLIP's memory-saving setting
@@ -128,8 +147,8 @@ def test_slurm_precompute_array_task_computes_its_part(env, part, parts):
 def test_torchrun_precompute_computes_one_part_per_rank(shapes, tmp_path):
     urls = write_shards(tmp_path, shapes['csv'])
     checkpoint = write_checkpoint(shapes['model'], tmp_path / 'tiny.pt')
-    settings = dict(MODEL=shapes['model'], PRETRAINED=checkpoint, TRAIN_DATA=urls, OUTPUT=tmp_path / 'ref', NPROC=2,
-                    BATCH_SIZE=4, WORKERS=0)
+    settings = dict(REF_MODEL=shapes['model'], REF_PRETRAINED=checkpoint, TRAIN_DATA=urls, OUTPUT=tmp_path / 'ref',
+                    NPROC=2, BATCH_SIZE=4, WORKERS=0)
     cmd = printed_command('torchrun_precompute.sh', '--device', 'cpu', **settings)
     assert cmd[:3] == ['torchrun', '--standalone', '--nproc_per_node=2']
     assert cmd[3:6] == ['-m', 'drrho_openclip.precompute', '--'] and option(cmd, '--output') == str(tmp_path / 'ref')
