@@ -315,6 +315,17 @@ class FeatureStore:
         return features[0], features[1]
 
 
+def _check_replaceable(final: Path):
+    """A store is written to a path that is free, an empty folder, or a store (which it replaces): never over a
+    folder or file of anything else, which the swap into place would delete."""
+    if final.is_symlink():
+        raise FeatureStoreError(f"'{final}' is a symbolic link: write the store to the folder it points to")
+    if not final.exists() or final.is_dir() and ((final / MANIFEST).is_file() or not any(final.iterdir())):
+        return
+    raise FeatureStoreError(f"'{final}' exists and is not a reference-feature store (it has no {MANIFEST}): a store "
+                            f"written there would replace what it holds; choose another output")
+
+
 class FeatureStoreWriter:
     """Writes a store shard by shard into `<root>.partial/`; `close()` writes the manifest and only then moves the
     finished store to `root` (replacing a previous one), so `root` always holds a complete store or none.
@@ -336,7 +347,8 @@ class FeatureStoreWriter:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: keys only), got {dtype!r}")
         if dtype is None and (model is not None or pretrained is not None or dim is not None):
             raise ValueError("a keys-only store (dtype None) has no model, pretrained weights or dimension")
-        self.final = Path(root)
+        self.final = Path(root) if Path(root).name else Path(root).resolve()  # '.' has no name to append to
+        _check_replaceable(self.final)
         self.root = self.final.with_name(self.final.name + '.partial')
         self.root.mkdir(parents=True, exist_ok=True)
         self.dim = dim
@@ -440,6 +452,7 @@ class FeatureStoreWriter:
             dims = sorted({dim for _, dim in found.values()})
             if len(dims) > 1:
                 raise FeatureStoreError(f"'{self.root}': shards of different dimensions {dims}")
+            _check_replaceable(self.final)  # again: something may have been put there while the shards were written
         except FeatureStoreError:
             (self.root / LOCK).unlink()  # nothing moved: the next attempt must be able to take the lock
             raise

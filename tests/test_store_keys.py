@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreWriter
+from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter
 
 DIM = 8
 
@@ -67,3 +67,29 @@ def test_a_store_replaces_the_leftover_of_a_killed_replacement(tmp_path):
     assert [s.name for s in store.shards] == ['b'] and not leftover.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ['ref']  # no partial, no previous left
     assert LOCK not in [p.name for p in root.iterdir()]
+
+
+def test_a_store_is_never_written_over_a_folder_or_file_of_something_else(tmp_path):
+    """Writing to a path that holds other files would delete them when the store is swapped in: refused up front,
+    and again when the store is finished, with nothing there touched. A free path, an empty folder or a store is
+    fine."""
+    data = tmp_path / 'shards'
+    data.mkdir()
+    (data / '00000.tar').write_bytes(b'the user data')
+    (tmp_path / 'notes.txt').write_text('kept')
+    for taken in (data, tmp_path / 'notes.txt'):
+        with pytest.raises(FeatureStoreError, match=f"'{taken}' exists and is not a reference-feature store"):
+            FeatureStoreWriter(taken, 'm', '', dtype='float16')
+    assert (data / '00000.tar').read_bytes() == b'the user data' and (tmp_path / 'notes.txt').read_text() == 'kept'
+    assert not (tmp_path / 'shards.partial').exists()
+    (tmp_path / 'empty').mkdir()
+    assert [s.name for s in _store(tmp_path / 'empty', {'a': ['x']}).shards] == ['a']
+    # something put at the path while the shards were being written
+    writer = FeatureStoreWriter(tmp_path / 'late', None, None, dtype=None)
+    writer.add_shard('a', ['x'])
+    (tmp_path / 'late').mkdir()
+    (tmp_path / 'late' / 'model.pt').write_bytes(b'weights')
+    with pytest.raises(FeatureStoreError, match='is not a reference-feature store'):
+        writer.close()
+    assert (tmp_path / 'late' / 'model.pt').read_bytes() == b'weights'
+    assert LOCK not in [p.name for p in (tmp_path / 'late.partial').iterdir()]  # a later close may try again
