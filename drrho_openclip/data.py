@@ -1,5 +1,7 @@
 """The training data as files: a CSV file or WebDataset shards, as OpenCLIP reads them, named as the feature store
 names its shards. What the store's commands (precompute, import, verify) and the training flags share."""
+from typing import Optional, Tuple
+
 import braceexpand
 import pandas as pd
 
@@ -43,11 +45,25 @@ def sources(args):
     """[(store shard name, source)] in store order: the CSV file, or every WebDataset shard URL as given."""
     if args.dataset_type == 'csv':
         return [(shard_name(args.train_data), args.train_data)]
-    urls = shard_urls(args.train_data)
-    names = [shard_name(u) for u in urls]
-    if len(set(names)) != len(names):
-        raise SystemExit('shard file names must be unique: the store keys shards by file name')
-    return list(zip(names, urls))
+    named = {}
+    for url in shard_urls(args.train_data):
+        name = shard_name(url)
+        if name in named:
+            raise SystemExit(f"shard file names must be unique (a store keys shards by file name): '{named[name]}' "
+                             f"and '{url}' are both shard '{name}'")
+        named[name] = url
+    return list(named.items())
+
+
+def shard_name_collision(urls) -> Optional[Tuple[str, str]]:
+    """The first two different URLs with one shard file name, or None: a store keys shards by file name, so they
+    would read one shard's features and per-sample state (the same URL twice reads the same shard: no collision)."""
+    first = {}
+    for url in urls:
+        seen = first.setdefault(shard_name(url), url)
+        if seen != url:
+            return seen, url
+    return None
 
 
 def read_csv(args):

@@ -64,6 +64,28 @@ def test_a_shard_without_features_is_named(shapes, shards, tmp_path):
     assert not (tmp_path / 'run').exists()  # stopped at start-up, before OpenCLIP created the run
 
 
+def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path):
+    """cc3m/00000.tar::cc12m/00000.tar: the store keys shards by file name, so the second would silently read the
+    first one's features and per-sample state. The same shard twice (upsampling a source) reads the same one."""
+    other = tmp_path / 'other'
+    other.mkdir()
+    (other / 'part-0.tar').write_bytes((shards['root'] / 'part-1.tar').read_bytes())
+    args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0')
+    args[1] = shards['urls'] + '::' + str(other / 'part-0.tar')
+    result = run_openclip(args, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (f"--ref-features: '{shards['root'] / 'part-0.tar'}' and '{other / 'part-0.tar'}' in --train-data have "
+            f"one file name") in result.stderr
+    assert not (tmp_path / 'run').exists()
+    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
+                             '--train-data', args[1], '--output', str(tmp_path / 'ref')],
+                            capture_output=True, text=True, env=ENV)
+    assert result.returncode != 0 and "are both shard 'part-0'" in result.stderr
+    args[1] = shards['urls'] + '::' + str(shards['root'] / 'part-0.tar')
+    args[args.index('--epochs') + 1] = '1'
+    run_openclip(args)
+
+
 def test_precompute_refuses_to_overwrite_a_store(shapes, shards):
     before = (shards['ref'] / 'manifest.json').read_bytes()
     result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],

@@ -5,7 +5,7 @@ import re
 import shutil
 import textwrap
 
-from ..data import input_kind, shard_urls
+from ..data import input_kind, shard_name_collision, shard_urls
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -271,7 +271,14 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
             if store.num_samples != len(images):  # the row number is the dense index: no other shard may come first
                 raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples, the CSV has {len(images)}")
         else:
-            for url in shard_urls(args.train_data):
+            urls = shard_urls(args.train_data)
+            collision = shard_name_collision(urls)
+            if collision:
+                parser.error(f"{flag(option)}: '{collision[0]}' and '{collision[1]}' in --train-data have one file "
+                             f"name, and a store keys shards by file name, so both would read the first one's "
+                             f"features and per-sample state: give the shards distinct file names (links will do) "
+                             f"and write the store for those")
+            for url in urls:
                 store.shard(shard_name(url))
     except FeatureStoreError as e:
         parser.error(f"{flag(option)} was not written for --train-data: {e}")
