@@ -1,5 +1,6 @@
 """The training data as files: a CSV file or WebDataset shards, as OpenCLIP reads them, named as the feature store
 names its shards. What the store's commands (precompute, import, verify) and the training flags share."""
+import logging
 from typing import Optional, Tuple
 
 import braceexpand
@@ -75,14 +76,23 @@ def read_csv(args):
 
 
 def shard_samples(url, decode=True):
-    """(key, image, caption) of every image-text sample of one tar shard, in file order (raw bytes unless decode)."""
+    """(key, image, caption) of every image-text sample of one tar shard, in file order (raw bytes unless decode).
+    Decoding as OpenCLIP's training does, a sample it cannot decode is left out with a warning, as training leaves
+    it out (its decode stage skips it): one bad image must not stop a store from being written."""
     import webdataset as wds
+    decoder = wds.autodecode.Decoder([wds.autodecode.imagehandler('pilrgb')]) if decode else None
     # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
-    stages = [wds.SimpleShardList([url]), wds.tarfile_to_samples()] + ([wds.decode('pilrgb')] if decode else [])
-    for sample in wds.DataPipeline(*stages):
-        image = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
-        if image is not None and 'txt' in sample:
-            yield sample['__key__'], image, sample['txt']
+    for sample in wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples()):
+        if not ('txt' in sample and any(e in sample for e in IMAGE_EXTENSIONS)):
+            continue
+        if decoder is not None:
+            try:
+                sample = decoder(sample)
+            except Exception as e:  # noqa: BLE001 - whatever the decoder raises, as training's handler catches all
+                logging.warning(f"'{url}': sample '{sample['__key__']}' cannot be decoded ({type(e).__name__}: "
+                                f"{e}); left out of the store, as OpenCLIP's training leaves it out")
+                continue
+        yield sample['__key__'], next(sample[e] for e in IMAGE_EXTENSIONS if e in sample), sample['txt']
 
 
 def shard_keys(url):

@@ -1,4 +1,5 @@
 """WebDataset input: reference features written per shard by the precompute command, looked up by `__key__`."""
+import io
 import math
 import subprocess
 import sys
@@ -84,6 +85,30 @@ def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path):
     args[1] = shards['urls'] + '::' + str(shards['root'] / 'part-0.tar')
     args[args.index('--epochs') + 1] = '1'
     run_openclip(args)
+
+
+def test_an_image_that_cannot_be_decoded_is_left_out_of_the_store_as_training_leaves_it_out(shapes, shards, tmp_path):
+    import tarfile
+    data = tmp_path / 'data'
+    data.mkdir()
+    with tarfile.open(shards['root'] / 'part-0.tar') as source, tarfile.open(data / 'part-0.tar', 'w') as tar:
+        for member in source.getmembers():
+            content = source.extractfile(member).read()
+            if member.name == 'sample_0_03_x.png':
+                content = b'not an image'
+            member.size = len(content)
+            tar.addfile(member, io.BytesIO(content))
+    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
+                             '--train-data', str(data / 'part-0.tar'), '--output', str(tmp_path / 'ref'),
+                             '--workers', '0'], capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"'{data / 'part-0.tar'}': sample 'sample_0_03_x' cannot be decoded" in result.stderr
+    store = FeatureStore.open(tmp_path / 'ref')
+    assert store.num_samples == 15 and 'sample_0_03_x' not in store.keys('part-0').tolist()
+    args = wds_args(shapes, dict(shards, ref=tmp_path / 'ref'), tmp_path, 'run', '--workers', '0',
+                    '--train-num-samples', '15', '--epochs', '1')
+    args[1] = str(data / 'part-0.tar')
+    run_openclip(args)  # training skips that sample too: it never asks the store for it
 
 
 def test_precompute_refuses_to_overwrite_a_store(shapes, shards):
