@@ -75,16 +75,27 @@ def read_csv(args):
     return df
 
 
+def _raw_samples(url):
+    """The image-text samples of one tar shard, in file order, undecoded (what OpenCLIP's training filter keeps)."""
+    import webdataset as wds
+    # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
+    for sample in wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples()):
+        if 'txt' in sample and any(e in sample for e in IMAGE_EXTENSIONS):
+            yield sample
+
+
+def _decoder():
+    """What OpenCLIP's training pipeline decodes samples with (`wds.decode('pilrgb')`), callable on one sample."""
+    import webdataset as wds
+    return wds.autodecode.Decoder([wds.autodecode.imagehandler('pilrgb')])
+
+
 def shard_samples(url, decode=True):
     """(key, image, caption) of every image-text sample of one tar shard, in file order (raw bytes unless decode).
     Decoding as OpenCLIP's training does, a sample it cannot decode is left out with a warning, as training leaves
     it out (its decode stage skips it): one bad image must not stop a store from being written."""
-    import webdataset as wds
-    decoder = wds.autodecode.Decoder([wds.autodecode.imagehandler('pilrgb')]) if decode else None
-    # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
-    for sample in wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples()):
-        if not ('txt' in sample and any(e in sample for e in IMAGE_EXTENSIONS)):
-            continue
+    decoder = _decoder() if decode else None
+    for sample in _raw_samples(url):
         if decoder is not None:
             try:
                 sample = decoder(sample)
@@ -93,6 +104,19 @@ def shard_samples(url, decode=True):
                                 f"{e}); left out of the store, as OpenCLIP's training leaves it out")
                 continue
         yield sample['__key__'], next(sample[e] for e in IMAGE_EXTENSIONS if e in sample), sample['txt']
+
+
+def undecodable_keys(url, keys) -> set:
+    """Those of `keys` whose sample in the tar shard `url` cannot be decoded: precompute leaves them out of a
+    store, and training never reads them."""
+    wanted, decoder, found = set(keys), _decoder(), set()
+    for sample in _raw_samples(url):
+        if sample['__key__'] in wanted:
+            try:
+                decoder(sample)
+            except Exception:  # noqa: BLE001 - as in shard_samples
+                found.add(sample['__key__'])
+    return found
 
 
 def shard_keys(url):

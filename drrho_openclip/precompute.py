@@ -35,7 +35,8 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import add_data_args, data_keys, read_csv, resolve_dataset_type, shard_keys, shard_samples, sources
+from .data import (add_data_args, data_keys, read_csv, resolve_dataset_type, shard_keys, shard_samples, sources,
+                   undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, shard_files, shard_name)
 from .openclip.reference import create_model
@@ -334,8 +335,10 @@ def main(argv=None):
 
 # ---- verify ------------------------------------------------------------------------------------------------------
 
-def _check_shard(store, shard, expected_keys=None):
-    """(one-line report, problems) of one shard; every problem names the shard and the file at fault."""
+def _check_shard(store, shard, expected_keys=None, url=None):
+    """(one-line report, problems) of one shard; every problem names the shard and the file at fault. With the
+    data's keys, those missing from the store are read again from the shard `url` (WebDataset), and the samples that
+    cannot be decoded are no problem: precompute leaves them out, and training never reads them."""
     name = shard.name
     try:
         keys = store.keys(name).tolist()
@@ -367,8 +370,10 @@ def _check_shard(store, shard, expected_keys=None):
     coverage = ''
     if expected_keys is not None:
         stored, wanted = set(keys), set(expected_keys)
-        coverage = f", {len(wanted & stored)}/{len(wanted)} data keys present"
-        for what, extra in (('samples of the data have no features', wanted - stored),
+        left_out = undecodable_keys(url, wanted - stored) if url and wanted - stored else set()
+        coverage = f", {len(wanted & stored)}/{len(wanted)} data keys present" + (
+            f" ({len(left_out)} left out: their images cannot be decoded, e.g. '{min(left_out)}')" if left_out else '')
+        for what, extra in (('samples of the data have no features', wanted - stored - left_out),
                             ('keys are not samples of the data', stored - wanted)):
             if extra:
                 problems.append(f"shard '{name}', file '{keys_file}': {len(extra)} {what}, e.g. '{min(extra)}'")
@@ -400,8 +405,16 @@ def verify(argv=None) -> int:
     print(f"{store.root}: {len(store.shards)} shards, {store.num_samples} samples, {contents}")
     problems = [f"shard '{name}' of --train-data has no {'keys' if store.keys_only else 'features'} in '{store.root}'"
                 for name in data if name not in {s.name for s in store.shards}]
+    csv = args.dataset_type == 'csv'
+    urls = dict(sources(args)) if args.train_data and not csv else {}
     for shard in store.shards:
-        report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None)
+        if args.train_data and not csv and shard.name not in data:
+            # training accepts a store of more shards than it reads: their keys have nothing to be compared with
+            report, found = _check_shard(store, shard)
+            report += ', not a shard of --train-data'
+        else:
+            report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None,
+                                         urls.get(shard.name))
         print(report + (' -- PROBLEM' if found else ''))
         problems += found
     for problem in problems:

@@ -244,6 +244,16 @@ def test_verify_reports_every_shard_and_the_coverage(data, capsys):
     assert out.rstrip().endswith('OK')
 
 
+def test_verify_against_some_of_the_stores_shards_checks_those(data, capsys):
+    """Training accepts a store of more shards than --train-data names; verify compares the keys of those it names
+    and reports the others as not in the data, not as problems."""
+    assert precompute.main(['verify', data['one'], '--train-data', str(data['root'] / 'shard-{1..2}.tar')]) == 0
+    out = capsys.readouterr().out
+    assert "shard-1: 9 samples, keys unique, dim 32, float16, 0 non-finite, 9/9 data keys present" in out
+    assert "shard-3: 11 samples, keys unique, dim 32, float16, 0 non-finite, not a shard of --train-data" in out
+    assert out.rstrip().endswith('OK')
+
+
 def _nan(path):
     array = np.load(path)
     array[4, 1, 0] = np.nan

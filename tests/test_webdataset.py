@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import ENV, checkpoint, run_openclip
+from drrho_openclip import precompute
 from drrho_openclip.features import FeatureStore
 
 
@@ -87,7 +88,8 @@ def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path):
     run_openclip(args)
 
 
-def test_an_image_that_cannot_be_decoded_is_left_out_of_the_store_as_training_leaves_it_out(shapes, shards, tmp_path):
+def test_an_image_that_cannot_be_decoded_is_left_out_of_the_store_as_training_leaves_it_out(shapes, shards, tmp_path,
+                                                                                           capsys):
     import tarfile
     data = tmp_path / 'data'
     data.mkdir()
@@ -105,6 +107,10 @@ def test_an_image_that_cannot_be_decoded_is_left_out_of_the_store_as_training_le
     assert f"'{data / 'part-0.tar'}': sample 'sample_0_03_x' cannot be decoded" in result.stderr
     store = FeatureStore.open(tmp_path / 'ref')
     assert store.num_samples == 15 and 'sample_0_03_x' not in store.keys('part-0').tolist()
+    # verify accounts for it: no problem, and the line says what was left out and why
+    assert precompute.main(['verify', str(tmp_path / 'ref'), '--train-data', str(data / 'part-0.tar')]) == 0
+    assert ("15/16 data keys present (1 left out: their images cannot be decoded, e.g. 'sample_0_03_x')"
+            in capsys.readouterr().out)
     args = wds_args(shapes, dict(shards, ref=tmp_path / 'ref'), tmp_path, 'run', '--workers', '0',
                     '--train-num-samples', '15', '--epochs', '1')
     args[1] = str(data / 'part-0.tar')
