@@ -378,15 +378,17 @@ class FeatureStoreWriter:
         return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'])
 
     def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray = None,
-                  text_features: np.ndarray = None):
-        """Write a shard: its keys and, unless the store is keys-only, their image and text features."""
+                  text_features: np.ndarray = None, rows_are_index: bool = False):
+        """Write a shard: its keys and, unless the store is keys-only, their image and text features. Keys are
+        unique, as training looks a tar shard's samples up by key, except with `rows_are_index`: a CSV's rows are its
+        index, and an image with several captions (COCO, Flickr30k) repeats its path."""
         dtype = self.meta['dtype']
         if self.plan is not None and name not in self.plan:
             raise ValueError(f"shard '{name}' is not one of the {len(self.plan)} shards of '{self.final}'")
         if (image_features is None or text_features is None) != (dtype is None):
             raise ValueError(f"shard '{name}': " + ("a keys-only store takes keys alone" if dtype is None else
                                                     "a feature store needs image and text features"))
-        duplicate = _first_duplicate(keys)
+        duplicate = None if rows_are_index else _first_duplicate(keys)
         if duplicate is not None:
             raise ValueError(f"shard '{name}': sample keys are not unique, e.g. '{duplicate}'")
         arrays = [encode_keys(keys)]

@@ -242,7 +242,8 @@ def _compute(args, shards, writer):
         parts = encoded.pop(name, None)
         if not parts:
             raise SystemExit(f"shard '{name}' holds no image-text samples")
-        writer.add_shard(name, [k for p in parts for k in p[0]], *_fetch(parts, args.device))
+        writer.add_shard(name, [k for p in parts for k in p[0]], *_fetch(parts, args.device),
+                         rows_are_index=args.dataset_type == 'csv')
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
     return samples, time.perf_counter() - start
@@ -335,10 +336,11 @@ def main(argv=None):
 
 # ---- verify ------------------------------------------------------------------------------------------------------
 
-def _check_shard(store, shard, expected_keys=None, url=None):
+def _check_shard(store, shard, expected_keys=None, url=None, csv=False):
     """(one-line report, problems) of one shard; every problem names the shard and the file at fault. With the
     data's keys, those missing from the store are read again from the shard `url` (WebDataset), and the samples that
-    cannot be decoded are no problem: precompute leaves them out, and training never reads them."""
+    cannot be decoded are no problem: precompute leaves them out, and training never reads them. A `csv` shard's
+    keys are its image paths row by row, which repeat where an image has several captions."""
     name = shard.name
     try:
         keys = store.keys(name).tolist()
@@ -350,9 +352,11 @@ def _check_shard(store, shard, expected_keys=None, url=None):
     problems = []
     counts = pd.Series(keys).value_counts()
     unique = len(counts) == len(keys)
-    if not unique:
+    if not unique and not csv:
         problems.append(f"shard '{name}', file '{keys_file}': {int((counts > 1).sum())} keys appear more than "
-                        f"once, e.g. '{counts.index[0]}' {counts.iloc[0]} times")
+                        f"once, e.g. '{counts.index[0]}' {counts.iloc[0]} times"
+                        + (" (a CSV's store repeats the path of an image with several captions: check it with "
+                           "--train-data CSV)" if expected_keys is None else ''))
     if features is None:
         values = 'keys only'
     else:
@@ -368,7 +372,15 @@ def _check_shard(store, shard, expected_keys=None, url=None):
                             f"features are not unit-norm (first in row {int(np.argwhere(off)[0][0])})")
         values = f"dim {features.shape[-1]}, {store.dtype}, {int((~finite).sum())} non-finite"
     coverage = ''
-    if expected_keys is not None:
+    if expected_keys is not None and csv:
+        differ = next((row for row, (a, b) in enumerate(zip(keys, expected_keys)) if str(a) != str(b)), None)
+        coverage = f", {len(expected_keys)} rows in the CSV"
+        if len(keys) != len(expected_keys):
+            problems.append(f"shard '{name}', file '{keys_file}': {len(keys)} rows, the CSV has {len(expected_keys)}")
+        elif differ is not None:
+            problems.append(f"shard '{name}', file '{keys_file}': row {differ} is '{keys[differ]}' in the store and "
+                            f"'{expected_keys[differ]}' in the CSV")
+    elif expected_keys is not None:
         stored, wanted = set(keys), set(expected_keys)
         left_out = undecodable_keys(url, wanted - stored) if url and wanted - stored else set()
         coverage = f", {len(wanted & stored)}/{len(wanted)} data keys present" + (
@@ -377,7 +389,8 @@ def _check_shard(store, shard, expected_keys=None, url=None):
                             ('keys are not samples of the data', stored - wanted)):
             if extra:
                 problems.append(f"shard '{name}', file '{keys_file}': {len(extra)} {what}, e.g. '{min(extra)}'")
-    report = f"{name}: {len(keys)} samples, keys {'unique' if unique else 'NOT unique'}, {values}{coverage}"
+    keys_said = 'unique' if unique else 'repeated (image paths of several rows)' if csv else 'NOT unique'
+    report = f"{name}: {len(keys)} samples, keys {keys_said}, {values}{coverage}"
     return report, problems
 
 
@@ -414,7 +427,7 @@ def verify(argv=None) -> int:
             report += ', not a shard of --train-data'
         else:
             report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None,
-                                         urls.get(shard.name))
+                                         urls.get(shard.name), csv=csv)
         print(report + (' -- PROBLEM' if found else ''))
         problems += found
     for problem in problems:

@@ -1,13 +1,17 @@
 """End to end through OpenCLIP's own entry point (`python -m open_clip_train.main` / torchrun) on CPU."""
 import hashlib
 import math
+import subprocess
+import sys
 import time
 
 import open_clip
 import pytest
 import torch
 
-from conftest import SGD, assert_equivalent_runs, assert_same, checkpoint, run_openclip, start_openclip, train_args
+from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, checkpoint, run_openclip, start_openclip,
+                      train_args)
+from drrho_openclip import precompute
 from drrho_openclip.losses.registry import get_loss_spec, list_losses
 
 DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
@@ -148,6 +152,34 @@ def test_features_of_another_csv_are_rejected(shapes, tmp_path):
     assert result.returncode == 2 and 'computed for another CSV: row 0' in result.stderr
     assert '--ref-features was not written for --train-data' in result.stderr
     assert not (tmp_path / 'x').exists()  # stopped at start-up, before OpenCLIP created the run
+
+
+def test_a_csv_of_several_captions_per_image_gets_a_store_and_trains(shapes, tmp_path, capsys):
+    """COCO and Flickr30k give each image several captions: a CSV repeats its path, and the store (whose CSV keys are
+    the image paths, row by row: the row is the index) repeats it too."""
+    lines = shapes['csv'].read_text().splitlines()
+    rows = [r.split('\t') for r in lines[1:17]]
+    coco = tmp_path / 'coco.csv'
+    coco.write_text('\n'.join([lines[0]] + [f'{p}\t{t}{variant}\t{c}' for p, t, c in rows
+                                             for variant in ('', ', again')]) + '\n')
+    store = tmp_path / 'coco_ref'
+    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
+                             '--train-data', str(coco), '--output', str(store), '--workers', '0'],
+                            capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert precompute.main(['verify', str(store), '--train-data', str(coco)]) == 0
+    assert 'coco: 32 samples, keys repeated (image paths of several rows)' in capsys.readouterr().out
+    # a CSV's rows are compared in order, as training's start-up check does: the same rows reversed do not match
+    reversed_rows = tmp_path / 'reversed' / 'coco.csv'
+    reversed_rows.parent.mkdir()
+    text = coco.read_text().splitlines()
+    reversed_rows.write_text('\n'.join([text[0]] + text[1:][::-1]) + '\n')
+    assert precompute.main(['verify', str(store), '--train-data', str(reversed_rows)]) == 1
+    assert "file 'coco.keys.npy': row 0 is '" in capsys.readouterr().out
+    args = train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--ref-features', store)
+    args[args.index('--train-data') + 1] = coco
+    run_openclip(args)
+    assert torch.isfinite(checkpoint(tmp_path, 'run', 1)['loss_state']['state.log_u_image']).all()
 
 
 def test_features_cannot_describe_synthetic_data(shapes, tmp_path):
