@@ -91,7 +91,7 @@ def encode_keys(keys: Sequence[str]) -> np.ndarray:
     width = len(keys[0]) if keys else 0
     if keys and all(len(k) == width and k.isascii() and k.isdecimal() for k in keys):
         first = int(keys[0])
-        if all(int(k) == first + i for i, k in enumerate(keys)):
+        if first + len(keys) <= np.iinfo(np.int64).max and all(int(k) == first + i for i, k in enumerate(keys)):
             return np.array((first, len(keys), width), dtype=KEY_RUN)
     return np.array([k.encode() for k in keys], dtype=bytes)
 

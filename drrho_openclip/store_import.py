@@ -114,7 +114,12 @@ def read_features(files) -> tuple:
                 arrays[name] = np.stack(arrays[name]) if len(arrays[name]) else np.zeros((0, 0))
     _require(file, arrays)
     keys = arrays.get('keys')
-    return (None if keys is None else [str(k) for k in keys]), arrays['image_features'], arrays['text_features']
+    return (None if keys is None else [_key(k) for k in keys]), arrays['image_features'], arrays['text_features']
+
+
+def _key(key) -> str:
+    """A key as the data spells it: bytes (numpy's 'S' arrays, h5py strings) are UTF-8, not "b'...'"."""
+    return key.decode('utf-8') if isinstance(key, (bytes, np.bytes_)) else str(key)
 
 
 def in_data_order(name: str, file, keys, image, text, data_keys):

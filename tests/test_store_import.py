@@ -28,14 +28,17 @@ def wds(shards):
     return dict(urls=shards['urls'], keys=keys, features=features, precomputed=store)
 
 
-def write_inputs(folder, wds, fmt, shuffle=True, with_keys=True):
-    """One input per shard in format `fmt`, its rows in a shuffled order (with keys) or in data order."""
+def write_inputs(folder, wds, fmt, shuffle=True, with_keys=True, bytes_keys=False):
+    """One input per shard in format `fmt`, its rows in a shuffled order (with keys) or in data order; the keys as
+    numpy's str or, with `bytes_keys`, its UTF-8 bytes."""
     from safetensors.numpy import save_file
     folder.mkdir()
     for s, (name, keys) in enumerate(wds['keys'].items()):
         order = np.random.default_rng(s).permutation(len(keys)) if shuffle else np.arange(len(keys))
         image, text = (f[order] for f in wds['features'][name])
         shuffled_keys = np.array(keys, dtype=str)[order]
+        if bytes_keys:
+            shuffled_keys = np.char.encode(shuffled_keys, 'utf-8')
         if fmt == 'npz':
             np.savez(folder / f'{name}.npz', image_features=image, text_features=text,
                      **({'keys': shuffled_keys} if with_keys else {}))
@@ -73,6 +76,14 @@ def test_import_writes_the_rows_in_data_order_with_the_precomputed_index(wds, tm
         assert np.array_equal(image.numpy(), wds['features'][name][0])
         assert np.array_equal(text.numpy(), wds['features'][name][1])
     assert not (tmp_path / 'ref.partial').exists()
+
+
+@pytest.mark.parametrize('fmt', ['npz', 'npy'])
+def test_keys_stored_as_bytes_are_read_as_text(wds, tmp_path, fmt):
+    inputs = write_inputs(tmp_path / 'feats', wds, fmt, bytes_keys=True)
+    store = import_store([inputs], data_keys(wds), tmp_path / 'ref', dtype='float32', progress=False)
+    for name, keys in wds['keys'].items():
+        assert store.keys(name).tolist() == keys
 
 
 def test_the_command_writes_a_store_that_verify_accepts(wds, tmp_path, capsys):

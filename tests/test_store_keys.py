@@ -39,6 +39,7 @@ def test_consecutive_numbered_keys_cost_no_bytes_per_sample(tmp_path, dtype):
     ['9', '10', '11'],                       # consecutive, but not one width
     ['a/x', 'b/ü-1', 'c.d'],                 # arbitrary strings, non-ASCII
     ['0x1', '0x2'],                          # not decimal
+    [f'{2 ** 63 - 1 + i}' for i in range(3)],  # consecutive past what the run's int64 record holds
 ])
 def test_other_keys_are_stored_as_they_are(tmp_path, keys):
     store = _store(tmp_path / 'store', {'s': keys})
