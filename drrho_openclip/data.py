@@ -1,6 +1,7 @@
 """The training data as files: a CSV file or WebDataset shards, as OpenCLIP reads them, named as the feature store
 names its shards. What the store's commands (precompute, import, verify) and the training flags share."""
 import logging
+import os
 from typing import Optional, Tuple
 
 import braceexpand
@@ -54,6 +55,12 @@ def sources(args):
                              f"and '{url}' are both shard '{name}'")
         named[name] = url
     return list(named.items())
+
+
+def local_file_sizes(named_urls) -> dict:
+    """{shard name: size in bytes} of the WebDataset shards ([(name, url)]) that are local files: recorded in a store
+    so that training can tell another dataset's shard of the same name (and keys) from the one it was written for."""
+    return {name: os.path.getsize(url) for name, url in named_urls if os.path.isfile(url)}
 
 
 def shard_name_collision(urls) -> Optional[Tuple[str, str]]:

@@ -67,6 +67,7 @@ class Shard:
     name: str
     count: int
     offset: int
+    source_bytes: Optional[int] = None  # the size of the data file it was written from, where that was a local file
 
 
 def shard_name(source: str) -> str:
@@ -178,6 +179,8 @@ def _describe(setting: str, value) -> str:
     """A setting of a store's plan, as a message names it."""
     if setting == 'shards':
         return 'another list of shards'
+    if setting == 'source_bytes':
+        return 'data files of other sizes'
     if setting == 'dtype' and value is None:
         return 'keys only'
     return f"{setting} {value!r}"
@@ -196,7 +199,7 @@ class FeatureStore:
         self.shards: List[Shard] = []
         offset = 0
         for entry in manifest['shards']:
-            self.shards.append(Shard(entry['name'], int(entry['count']), offset))
+            self.shards.append(Shard(entry['name'], int(entry['count']), offset, entry.get('source_bytes')))
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
@@ -342,7 +345,8 @@ class FeatureStoreWriter:
     dtype None writes a keys-only store: `add_shard` then takes keys alone, and model and pretrained are None."""
 
     def __init__(self, root, model: Optional[str], pretrained: Optional[str], dim: int = None,
-                 dtype: Optional[str] = 'float16', shards: Sequence[str] = None):
+                 dtype: Optional[str] = 'float16', shards: Sequence[str] = None,
+                 source_bytes: Dict[str, int] = None):
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: keys only), got {dtype!r}")
         if dtype is None and (model is not None or pretrained is not None or dim is not None):
@@ -354,12 +358,15 @@ class FeatureStoreWriter:
         self.dim = dim
         self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype)
         self.plan = None if shards is None else list(shards)
+        self.source_bytes = dict(source_bytes or {})  # {shard: size of its local data file}, into the manifest
         self.shards: List[str] = []  # the ones this writer added
-        plan = {**self.meta, 'shards': self.plan}
+        plan = {**self.meta, 'shards': self.plan, 'source_bytes': self.source_bytes}
         path = self.root / PLAN
         if path.is_file():
             found = json.loads(path.read_text())
-            differ = [_describe(k, found.get(k)) for k in plan if found.get(k) != plan[k]]
+            # the data files' sizes are compared where both plans know them (a writer may not: the Python API)
+            compared = [k for k in plan if k != 'source_bytes' or (found.get(k) and plan[k])]
+            differ = [_describe(k, found.get(k)) for k in compared if found.get(k) != plan[k]]
             if differ:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
                                         f"resume it with the same settings, or delete it to start afresh")
@@ -375,7 +382,8 @@ class FeatureStoreWriter:
         if not path.is_file():
             raise FeatureStoreError(f"'{path}' is missing: there is no unfinished store for '{root}'")
         plan = json.loads(path.read_text())
-        return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'])
+        return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'],
+                   source_bytes=plan.get('source_bytes'))
 
     def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray = None,
                   text_features: np.ndarray = None, rows_are_index: bool = False):
@@ -460,7 +468,8 @@ class FeatureStoreWriter:
             raise
         for tmp in self.root.glob('*.tmp'):  # left by killed writers
             tmp.unlink()
-        shards = [dict(name=name, count=found[name][0]) for name in names]
+        shards = [dict(name=name, count=found[name][0], **({'source_bytes': self.source_bytes[name]}
+                                                           if name in self.source_bytes else {})) for name in names]
         (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'dim': dims[0], 'shards': shards}, indent=1))
         (self.root / PLAN).unlink()
         previous = self.final.with_name(self.final.name + '.previous')

@@ -35,8 +35,8 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import (add_data_args, data_keys, read_csv, resolve_dataset_type, shard_keys, shard_samples, sources,
-                   undecodable_keys)
+from .data import (add_data_args, data_keys, local_file_sizes, read_csv, resolve_dataset_type, shard_keys,
+                   shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, shard_files, shard_name)
 from .openclip.reference import create_model
@@ -307,10 +307,12 @@ def main(argv=None):
             raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
         shards = sources(args)
         names = [name for name, _ in shards]
+        sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
         if args.keys_only:
-            writer = FeatureStoreWriter(args.output, None, None, dtype=None, shards=names)
+            writer = FeatureStoreWriter(args.output, None, None, dtype=None, shards=names, source_bytes=sizes)
         else:
-            writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', dtype=args.dtype, shards=names)
+            writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', dtype=args.dtype, shards=names,
+                                        source_bytes=sizes)
     except FeatureStoreError as e:
         raise SystemExit(str(e))
     mine = shards[part_slice(len(shards), args.part, args.num_parts)]

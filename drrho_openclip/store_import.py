@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .features import DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows, shard_name
-from .data import add_data_args, data_keys, resolve_dataset_type
+from .data import add_data_args, data_keys, local_file_sizes, resolve_dataset_type, sources
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
 NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)
@@ -163,10 +163,11 @@ def normalized(name: str, keys, features: np.ndarray) -> np.ndarray:
 
 
 def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imported', normalize=False,
-                 overwrite=False, progress=True) -> FeatureStore:
+                 overwrite=False, progress=True, source_bytes: dict = None) -> FeatureStore:
     """Write the store `output` from the feature files and directories `inputs`, one per shard of the data, whose
     samples `data_keys` lists ({shard name: keys in data order}); see the module's docstring for the files and the
-    checks. Returns the store; raises a FeatureStoreError, with nothing written, if any check fails."""
+    checks; `source_bytes` the sizes of the shards' local files (`data.local_file_sizes`). Returns the store; raises
+    a FeatureStoreError, with nothing written, if any check fails."""
     output = Path(output)
     if (output / MANIFEST).exists() and not overwrite:
         raise FeatureStoreError(f"'{output}' already holds a reference-feature store; pass --overwrite to replace it")
@@ -182,7 +183,7 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
     if foreign:
         raise FeatureStoreError(f"input '{inputs[foreign[0]][0]}': '{foreign[0]}' is not a shard of the data "
                                 f"(its shards are e.g. '{next(iter(data_keys))}')")
-    writer = FeatureStoreWriter(output, model, '', dtype=dtype, shards=list(data_keys))
+    writer = FeatureStoreWriter(output, model, '', dtype=dtype, shards=list(data_keys), source_bytes=source_bytes)
     dim = None
     try:
         for name, keys in tqdm(data_keys.items(), unit='shard', desc='import', disable=not progress):
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         store = import_store(args.inputs, data_keys(args), args.output, dtype=args.dtype, model=args.model,
-                             normalize=args.normalize, overwrite=args.overwrite)
+                             normalize=args.normalize, overwrite=args.overwrite,
+                             source_bytes=None if args.dataset_type == 'csv' else local_file_sizes(sources(args)))
     except FeatureStoreError as e:
         raise SystemExit(f"import: {e}")
     print(f"wrote reference features of {store.num_samples} samples ({len(store.shards)} shards, dim {store.dim}, "

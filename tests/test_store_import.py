@@ -1,5 +1,7 @@
 """`drrho-openclip-features import`: a store from features computed elsewhere, every error naming what is at fault."""
 import json
+import os
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from drrho_openclip import precompute
+from drrho_openclip.data import sources
 from drrho_openclip.features import FeatureStore, FeatureStoreError
 from drrho_openclip.store_import import import_store
 
@@ -94,6 +97,10 @@ def test_the_command_writes_a_store_that_verify_accepts(wds, tmp_path, capsys):
     assert precompute.main(['verify', tmp_path / 'ref', '--train-data', wds['urls']]) == 0
     report = capsys.readouterr().out
     assert 'model timm resnet, random init' in report and report.strip().endswith('OK')
+    # as precompute does, the store records the sizes of the shards it was written for (training compares them)
+    urls = dict(sources(SimpleNamespace(train_data=wds['urls'], dataset_type='webdataset')))
+    assert {s.name: s.source_bytes for s in FeatureStore.open(tmp_path / 'ref').shards} == {
+        name: os.path.getsize(url) for name, url in urls.items()}
 
 
 def test_a_csv_store_keys_the_image_paths_row_by_row(shapes, tmp_path):

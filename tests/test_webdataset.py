@@ -88,6 +88,27 @@ def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path):
     run_openclip(args)
 
 
+def test_shards_of_the_same_names_and_other_sizes_are_warned_about(shapes, shards, tmp_path):
+    """Another dataset's tar shards can have the store's shard names and keys (img2dataset numbers both alike): the
+    store records its shards' sizes, and a run whose shards differ says so at start-up. A warning: shards filtered
+    after the store was written differ too, and their samples' features are right."""
+    import shutil
+    other = tmp_path / 'other'
+    shutil.copytree(shards['root'], other, ignore=shutil.ignore_patterns('ref', '*.txt'))
+    with open(other / 'part-1.tar', 'ab') as f:  # the same keys, other content
+        f.write(bytes(10240))
+    size = (other / 'part-1.tar').stat().st_size
+    assert FeatureStore.open(shards['ref']).shard('part-1').source_bytes == size - 10240
+    args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0', '--epochs', '1')
+    args[1] = str(other / 'part-{0..3}.tar')
+    result = run_openclip(args)
+    assert (f"1 of the 4 --train-data shards checked differ in size from those --ref-features was written from, "
+            f"e.g. '{other / 'part-1.tar'}': {size} bytes here, {size - 10240} there") in result.stderr
+    # the data it was written from: no warning
+    assert 'differ in size' not in run_openclip(wds_args(shapes, shards, tmp_path, 'same', '--workers', '0',
+                                                          '--epochs', '1')).stderr
+
+
 def test_an_image_that_cannot_be_decoded_is_left_out_of_the_store_as_training_leaves_it_out(shapes, shards, tmp_path,
                                                                                            capsys):
     import tarfile

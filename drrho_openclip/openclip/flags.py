@@ -1,9 +1,11 @@
 """The plugin's flags: one argument group in OpenCLIP's parser (every loss option from the registry, with the losses
 that read it and their defaults), and their checks against the chosen loss, which start the run."""
 import argparse
+import os
 import re
 import shutil
 import textwrap
+from typing import Optional
 
 from ..data import input_kind, shard_name_collision, shard_urls
 from ..features import FeatureStore, FeatureStoreError, shard_name
@@ -205,7 +207,9 @@ def check_args(args, parser) -> Run:
     sample_index = _check_sample_index(args, parser, keeps_state, reads_reference)
     for option, store in (('ref_features', reference_store), ('sample_index', sample_index)):
         if store is not None:
-            _check_store_covers_training_data(parser, option, store, args)
+            warning = _check_store_covers_training_data(parser, option, store, args)
+            if warning:
+                warnings.append(warning)
     index_store = sample_index or reference_store
     return Run(loss_name=args.loss, plain_clip=plain_clip, options=in_force,
                reference_store=reference_store, index_store=index_store,
@@ -255,10 +259,11 @@ def _check_sample_index(args, parser, keeps_state: bool, reads_reference: bool):
     return _open_store(parser, 'sample_index', args.sample_index)
 
 
-def _check_store_covers_training_data(parser, option: str, store: FeatureStore, args):
+def _check_store_covers_training_data(parser, option: str, store: FeatureStore, args) -> Optional[str]:
     """A store written for other data stops the run here, before OpenCLIP creates its log folder: every
     WebDataset shard of --train-data must be one of the store's, and a CSV must be the store's whole index, row by
-    row (its image paths are the keys). Keys within a tar shard are looked up as its samples arrive."""
+    row (its image paths are the keys). Keys within a tar shard are looked up as its samples arrive. Returns a
+    warning where shards differ in size from those the store was written from."""
     kind = input_kind(args.train_data, args.dataset_type)
     try:
         if kind == 'synthetic':
@@ -280,8 +285,31 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
                              f"and write the store for those")
             for url in urls:
                 store.shard(shard_name(url))
+            return _shard_size_warning(option, store, urls, args.train_data)
     except FeatureStoreError as e:
         parser.error(f"{flag(option)} was not written for --train-data: {e}")
+    return None
+
+
+SIZE_CHECKED_SHARDS = 64  # a stat each, on every rank: enough to tell another dataset's shards of the same names
+
+
+def _shard_size_warning(option: str, store: FeatureStore, urls, train_data: str) -> Optional[str]:
+    """Another dataset's tar shards of the same file names (and img2dataset's same numbered keys) pass the name and
+    key lookups and read this store's features of other samples. Up to SIZE_CHECKED_SHARDS local shards, evenly
+    spaced and the first of each '::' source, are compared with the sizes of the files the store was written from:
+    a warning, not an error, since shards filtered after the store was written differ too and are read rightly."""
+    checked = set(urls[::-(-len(urls) // SIZE_CHECKED_SHARDS)])
+    checked |= {shard_urls(source)[0] for source in train_data.split('::')}
+    differ = [(url, store.shard(shard_name(url)).source_bytes) for url in sorted(checked)
+              if os.path.isfile(url) and store.shard(shard_name(url)).source_bytes not in (None, os.path.getsize(url))]
+    if not differ:
+        return None
+    url, size = differ[0]
+    return (f"drrho-openclip: {len(differ)} of the {len(checked)} --train-data shards checked differ in size from "
+            f"those {flag(option)} was written from, e.g. '{url}': {os.path.getsize(url)} bytes here, {size} there. "
+            f"Shards filtered since are read rightly; another dataset's shards of the same names (and keys) would "
+            f"read the features of other samples: then write the store for this data")
 
 
 def _csv_images(args) -> list:
