@@ -44,17 +44,15 @@ def shard_urls(train_data: str):
 
 
 def sources(args):
-    """[(store shard name, source)] in store order: the CSV file, or every WebDataset shard URL as given."""
+    """[(store shard name, source)] in store order: the CSV file, or every WebDataset shard URL as given (once)."""
     if args.dataset_type == 'csv':
         return [(shard_name(args.train_data), args.train_data)]
-    named = {}
-    for url in shard_urls(args.train_data):
-        name = shard_name(url)
-        if name in named:
-            raise SystemExit(f"shard file names must be unique (a store keys shards by file name): '{named[name]}' "
-                             f"and '{url}' are both shard '{name}'")
-        named[name] = url
-    return list(named.items())
+    urls = shard_urls(args.train_data)
+    collision = shard_name_collision(urls)
+    if collision:
+        raise SystemExit(f"shard file names must be unique (a store keys shards by file name): '{collision[0]}' and "
+                         f"'{collision[1]}' are both shard '{shard_name(collision[0])}'")
+    return list({shard_name(url): url for url in urls}.items())  # a shard given twice (upsampled) is written once
 
 
 def local_file_sizes(named_urls) -> dict:

@@ -301,13 +301,16 @@ def _shard_size_warning(option: str, store: FeatureStore, urls, train_data: str)
     a warning, not an error, since shards filtered after the store was written differ too and are read rightly."""
     checked = set(urls[::-(-len(urls) // SIZE_CHECKED_SHARDS)])
     checked |= {shard_urls(source)[0] for source in train_data.split('::')}
-    differ = [(url, store.shard(shard_name(url)).source_bytes) for url in sorted(checked)
-              if os.path.isfile(url) and store.shard(shard_name(url)).source_bytes not in (None, os.path.getsize(url))]
+    differ = []  # (url, its size, the size of the file the store was written from)
+    for url in sorted(checked):
+        written_from = store.shard(shard_name(url)).source_bytes
+        if written_from is not None and os.path.isfile(url) and os.path.getsize(url) != written_from:
+            differ.append((url, os.path.getsize(url), written_from))
     if not differ:
         return None
-    url, size = differ[0]
+    url, size, written_from = differ[0]
     return (f"drrho-openclip: {len(differ)} of the {len(checked)} --train-data shards checked differ in size from "
-            f"those {flag(option)} was written from, e.g. '{url}': {os.path.getsize(url)} bytes here, {size} there. "
+            f"those {flag(option)} was written from, e.g. '{url}': {size} bytes here, {written_from} there. "
             f"Shards filtered since are read rightly; another dataset's shards of the same names (and keys) would "
             f"read the features of other samples: then write the store for this data")
 
