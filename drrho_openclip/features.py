@@ -3,7 +3,9 @@
 Layout of a store directory:
 
     manifest.json              model, pretrained, dim, dtype and the ordered list of shards with their sample counts
-                               (a keys-only store: dtype null, dim 0, model and pretrained null)
+                               and, where written from local tar files, their sizes in bytes (`source_bytes`: training
+                               warns when its shards differ) (a keys-only store: dtype null, dim 0, model and
+                               pretrained null)
     <shard>.features.npy       [n, 2, dim] array: [:, 0] image features, [:, 1] text features, in the store's dtype:
                                float16 (default), float32, or int8 (then scaled by the next file)
     <shard>.scales.npy         int8 stores only: [n, 2] float32, one scale per feature vector (feature = int8 * scale)
@@ -27,8 +29,10 @@ Writing a store from Python (what `drrho-openclip-features import` does with arr
 
     from drrho_openclip.features import FeatureStoreWriter, check_rows, shard_name
 
-    writer = FeatureStoreWriter('ref/', model='my SigLIP', pretrained='', dtype='float16')
-    for tar in ['shards/00000.tar', 'shards/00001.tar']:
+    tars = ['shards/00000.tar', 'shards/00001.tar']
+    writer = FeatureStoreWriter('ref/', model='my SigLIP', pretrained='', dtype='float16',
+                                source_bytes={shard_name(t): os.path.getsize(t) for t in tars})  # optional
+    for tar in tars:
         keys, image, text = ...            # the shard's __key__s, [n, d] and [n, d] L2-normalised features
         check_rows(shard_name(tar), keys, image, text)
         writer.add_shard(shard_name(tar), keys, image, text)
