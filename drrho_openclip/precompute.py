@@ -39,7 +39,7 @@ from .data import (add_data_args, data_keys, local_file_sizes, read_csv, resolve
                    shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, shard_files, shard_name)
-from .openclip.reference import create_model
+from .openclip.reference import create_model, pretrained_problem
 
 # How long a part that finds the store being finished by another waits to see it done (the move takes a moment;
 # longer means that process died holding the lock)
@@ -123,6 +123,9 @@ def parse_args(argv=None):
         p.error('--train-data is required (except with --finalize)')
     if not (args.finalize or args.keys_only) and args.model is None:
         p.error('--model is required (except with --keys-only or --finalize)')
+    problem = args.model and pretrained_problem(args.model, args.pretrained)
+    if problem:
+        p.error(f"--pretrained: {problem}")
     if not 0 <= args.part < args.num_parts:
         p.error(f'--part must be in [0, --num-parts), got --part {args.part} --num-parts {args.num_parts}')
     return args

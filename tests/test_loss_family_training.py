@@ -73,6 +73,10 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
       '--distill-pretrained', 'z'), "--distill-model: --loss clip with --distill-weight replaces OpenCLIP's loss"),
     (('--loss', 'fastclip', '--model', 'coca_ViT-B-32'), 'a CoCa model trains with a captioning loss as well'),
     (('--loss', 'sogclr', '--horovod'), '--horovod: --loss sogclr communicates through torch.distributed'),
+    # OpenCLIP ignores a local-dir: model's pretrained: a mistyped checkpoint path left a random reference
+    (('--loss', 'drrho', '--ref-model', 'local-dir:/models/ref', '--ref-pretrained', '/models/ref/epoch_20.pt'),
+     "--ref-pretrained: '/models/ref/epoch_20.pt' is not a file, and a local-dir: model loads its weights from a "
+     "checkpoint file only"),
 ])
 def test_bad_flag_combinations_fail_at_start_up(shapes, tmp_path, flags_, message):
     result = run_openclip(train_args(shapes, tmp_path, 'x', *flags_), check=False)

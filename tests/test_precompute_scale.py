@@ -68,6 +68,23 @@ def test_parts_write_the_store_of_one_process(data, tmp_path):
     assert FeatureStore.open(out).num_samples == sum(SIZES)
 
 
+def test_the_reference_weights_are_loaded_or_the_run_stops(data, tmp_path, caplog, capsys):
+    """OpenCLIP's own log says "initialized randomly" before the checkpoint is loaded: the run says where the
+    weights came from, and a checkpoint path that is not a file stops it (OpenCLIP would ignore it for a local-dir:
+    model, leaving random weights)."""
+    checkpoint = data['args'][data['args'].index('--pretrained') + 1]
+    with caplog.at_level('INFO'):
+        assert precompute.main(data['args'] + ['--output', tmp_path / 'ref']) == 0
+    assert f"weights from '{checkpoint}'" in caplog.text
+    missing = str(checkpoint).replace('tiny.pt', 'tiny_typo.pt')
+    argv = [str(a) for a in data['args']]
+    argv[argv.index('--pretrained') + 1] = missing
+    with pytest.raises(SystemExit) as stop:
+        precompute.main(argv + ['--output', str(tmp_path / 'other')])
+    assert stop.value.code == 2 and f"--pretrained: '{missing}' is not a file" in capsys.readouterr().err
+    assert not (tmp_path / 'other.partial').exists()
+
+
 def test_parts_default_to_torchrun_or_the_slurm_array(monkeypatch):
     base = ['--model', 'm', '--train-data', 'x.tar', '--output', 'o']
     for name in ('RANK', 'WORLD_SIZE', 'SLURM_ARRAY_TASK_ID', 'SLURM_ARRAY_TASK_MIN', 'SLURM_ARRAY_TASK_COUNT'):

@@ -12,6 +12,7 @@ from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
                       option_names, per_sample_tables)
+from .reference import pretrained_problem
 from .run import Run
 
 # Options whose default the run chooses (tile_size: from the batch sizes; state_layout 'auto': from the dataset size
@@ -174,6 +175,9 @@ def check_args(args, parser) -> Run:
         parser.error("give either --ref-features or --ref-model, not both")
     if args.ref_pretrained is not None and args.ref_model is None:
         parser.error("--ref-pretrained needs --ref-model")
+    problem = args.ref_model and pretrained_problem(args.ref_model, args.ref_pretrained)
+    if problem:
+        parser.error(f"--ref-pretrained: {problem}")
     supplied = spec.run_options
     warnings = []
     ignored = [f for option, f in OPENCLIP_LOSS_FLAGS.items() if getattr(args, option) and option not in supplied]
