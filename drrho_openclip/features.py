@@ -207,6 +207,9 @@ class FeatureStore:
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
+        if len(self._by_name) != len(self.shards):
+            repeated = next(s.name for s in self.shards if sum(t.name == s.name for t in self.shards) > 1)
+            raise FeatureStoreError(f"'{self.root / MANIFEST}' lists shard '{repeated}' more than once")
         self._offsets = np.array([s.offset for s in self.shards], dtype=np.int64)
 
     @classmethod
@@ -397,6 +400,9 @@ class FeatureStoreWriter:
         dtype = self.meta['dtype']
         if self.plan is not None and name not in self.plan:
             raise ValueError(f"shard '{name}' is not one of the {len(self.plan)} shards of '{self.final}'")
+        if name in self.shards:
+            raise ValueError(f"shard '{name}' was added already: a store holds each shard once (shard_name: its data "
+                             f"file's name)")
         if (image_features is None or text_features is None) != (dtype is None):
             raise ValueError(f"shard '{name}': " + ("a keys-only store takes keys alone" if dtype is None else
                                                     "a feature store needs image and text features"))

@@ -94,3 +94,19 @@ def test_a_store_is_never_written_over_a_folder_or_file_of_something_else(tmp_pa
         writer.close()
     assert (tmp_path / 'late' / 'model.pt').read_bytes() == b'weights'
     assert LOCK not in [p.name for p in (tmp_path / 'late.partial').iterdir()]  # a later close may try again
+
+
+def test_a_shard_is_added_once_and_a_manifest_listing_one_twice_is_refused(tmp_path):
+    import json
+    writer = FeatureStoreWriter(tmp_path / 'ref', None, None, dtype=None)
+    writer.add_shard('00000', ['a', 'b'])
+    with pytest.raises(ValueError, match="shard '00000' was added already"):
+        writer.add_shard('00000', ['c', 'd'])  # the same tar's name twice: it would overwrite the first's files
+    writer.add_shard('00001', ['c'])
+    assert writer.close()
+    manifest = tmp_path / 'ref' / 'manifest.json'
+    content = json.loads(manifest.read_text())
+    content['shards'].append(dict(content['shards'][0]))
+    manifest.write_text(json.dumps(content))
+    with pytest.raises(FeatureStoreError, match="lists shard '00000' more than once"):
+        FeatureStore.open(tmp_path / 'ref')
