@@ -182,7 +182,8 @@ def verdict(r: ReferenceReport) -> List[str]:
     r1 = (r.retrieval['image_to_text_R@1'] + r.retrieval['text_to_image_R@1']) / 2
     lines = [f"The reference finds a sample's own pair first for {r1:.1f}% of {r.samples} samples "
              f"(chance {chance:.2g}%)."]
-    if r1 < 10 * chance:
+    near_chance = r1 < 10 * chance
+    if near_chance:
         lines.append("It is barely better than chance on this data: its features say little about these pairs, so "
                      "steering by it cannot help much; check that the store belongs to this data and this reference.")
     if r.margin['negative_fraction'] > 0.25:
@@ -226,7 +227,8 @@ def verdict(r: ReferenceReport) -> List[str]:
                          f"--clip-recall gives it to this check), would stay below {fraction * r.mean_recall:.1f}%.")
         else:
             ratio = r.clip_recall / r.mean_recall if r.mean_recall else float('inf')  # a reference that finds none
-            advice = ("train with --reference-weight 1" if ratio < fraction else
+            advice = ("no weight is suggested for a reference near chance (above)" if near_chance else
+                      "train with --reference-weight 1" if ratio < fraction else
                       f"keep drrho's default --reference-weight {DRRHO_DEFAULTS['reference_weight']:g}")
             lines.append(f"{rule}, and the --loss clip model's {r.clip_recall:.1f}% is {ratio:.2f} of it: {advice}"
                          + (" (near the bound the two were mostly within a spread)."

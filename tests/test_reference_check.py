@@ -94,6 +94,10 @@ def test_a_faithful_reference_beats_a_random_one(tmp_path):
     assert good_report.margin['negative_fraction'] < 0.01 < bad_report.margin['negative_fraction']
     assert any('barely better than chance' in line for line in bad_report.verdict)
     assert not any('barely better than chance' in line for line in good_report.verdict)
+    # a target far below such a reference: no weight is suggested for steering by it
+    weak_target = check(bad, batch_size=64, clip_recall=0.1).verdict
+    assert any('no weight is suggested for a reference near chance' in line for line in weak_target)
+    assert not any('train with --reference-weight 1' in line for line in weak_target)
     for report in (good_report, bad_report):
         medians = [report.effective_negatives[t] for t in sorted(report.effective_negatives)]
         assert medians == sorted(medians) and 1 <= medians[0] and medians[-1] <= 63  # more spread as τ grows
