@@ -76,7 +76,10 @@ def read_csv(args):
     df = pd.read_csv(args.train_data, sep=args.csv_separator)
     for key in (args.csv_img_key, args.csv_caption_key):
         if key not in df.columns:
-            raise SystemExit(f"{args.train_data}: no column '{key}' (columns: {', '.join(df.columns)})")
+            one = len(df.columns) == 1  # the whole header in one column: another separator
+            raise SystemExit(f"{args.train_data}: no column '{key}' (columns with --csv-separator "
+                             f"{args.csv_separator!r}: {', '.join(map(repr, df.columns))}"
+                             + ("; is the file separated by another character?" if one else "") + ")")
     return df
 
 

@@ -139,7 +139,10 @@ class _CsvImages(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, i):
-        image = self.transform(Image.open(str(self.paths[i])))
+        try:  # OpenCLIP's CsvDataset stops at such an image too: name it
+            image = self.transform(Image.open(str(self.paths[i])))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"CSV row {i}: image '{self.paths[i]}' cannot be read ({type(e).__name__}: {e})") from e
         return image, self.tokenizer([str(self.captions[i])])[0]
 
 
@@ -309,6 +312,8 @@ def main(argv=None):
         if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
             raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
         shards = sources(args)
+        if args.dataset_type == 'csv':
+            read_csv(args)  # its columns, before a .partial store is started
         names = [name for name, _ in shards]
         sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
         if args.keys_only:

@@ -182,6 +182,26 @@ def test_a_csv_of_several_captions_per_image_gets_a_store_and_trains(shapes, tmp
     assert torch.isfinite(checkpoint(tmp_path, 'run', 1)['loss_state']['state.log_u_image']).all()
 
 
+def test_precompute_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):
+    lines = shapes['csv'].read_text().splitlines()
+    comma = tmp_path / 'comma.csv'
+    comma.write_text('\n'.join(line.replace('\t', ',') for line in lines[:9]) + '\n')
+    with pytest.raises(SystemExit, match=r"no column 'filepath' \(columns with --csv-separator '\\t': "
+                                         r"'filepath,title,label'; is the file separated by another character\?\)"):
+        precompute.main(['--model', shapes['model'], '--train-data', comma, '--output', tmp_path / 'a',
+                         '--workers', '0'])
+    assert not (tmp_path / 'a.partial').exists()  # nothing started
+    broken = tmp_path / 'broken.png'
+    broken.write_bytes(b'not an image')
+    rows = lines[1:9]
+    rows[3] = '\t'.join([str(broken)] + rows[3].split('\t')[1:])
+    bad = tmp_path / 'bad.csv'
+    bad.write_text('\n'.join([lines[0]] + rows) + '\n')
+    with pytest.raises(ValueError, match=f"CSV row 3: image '{broken}' cannot be read"):
+        precompute.main(['--model', shapes['model'], '--train-data', bad, '--output', tmp_path / 'b',
+                         '--workers', '0'])
+
+
 def test_features_cannot_describe_synthetic_data(shapes, tmp_path):
     result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', shapes['ref'],
                                      '--dataset-type', 'synthetic', '--train-num-samples', '16'), check=False)
