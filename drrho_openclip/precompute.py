@@ -417,9 +417,15 @@ def verify(argv=None) -> int:
     try:
         store = FeatureStore.open(args.store)
     except FeatureStoreError as e:
-        print(f"PROBLEM: {e}")
+        partial = Path(str(args.store).rstrip('/') + '.partial')
+        print(f"PROBLEM: {e}" + (f" ('{partial}' holds an unfinished one: run precompute again with the same "
+                                 f"settings, or --finalize once every part has ended)" if partial.is_dir() else ''))
         return 1
-    data = data_keys(args) if args.train_data else {}
+    try:
+        data = data_keys(args) if args.train_data else {}
+    except OSError as e:  # a shard or CSV of --train-data that cannot be read
+        print(f"PROBLEM: --train-data: {e}")
+        return 1
     if store.keys_only:
         contents = 'keys only (a sample index, no features)'
     else:
@@ -442,7 +448,7 @@ def verify(argv=None) -> int:
         problems += found
     for problem in problems:
         print(f"PROBLEM: {problem}")
-    print(f"{len(problems)} problems" if problems else 'OK')
+    print(f"{len(problems)} problem{'s' * (len(problems) > 1)}" if problems else 'OK')
     return 1 if problems else 0
 
 

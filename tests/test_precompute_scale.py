@@ -271,6 +271,20 @@ def test_verify_against_some_of_the_stores_shards_checks_those(data, capsys):
     assert out.rstrip().endswith('OK')
 
 
+def test_verify_says_what_is_missing(data, tmp_path, capsys):
+    missing = data['root'] / 'shard-9.tar'
+    assert precompute.main(['verify', data['one'], '--train-data', str(missing)]) == 1
+    assert f"PROBLEM: --train-data: [Errno 2] No such file or directory: '{missing}'" in capsys.readouterr().out
+    (tmp_path / 'ref.partial').mkdir()  # a store being written
+    assert precompute.main(['verify', tmp_path / 'ref']) == 1
+    out = capsys.readouterr().out
+    assert f"('{tmp_path / 'ref.partial'}' holds an unfinished one: run precompute again" in out
+    shutil.copytree(data['one'], tmp_path / 'nan')
+    _nan(tmp_path / 'nan' / 'shard-0.features.npy')
+    assert precompute.main(['verify', tmp_path / 'nan']) == 1
+    assert capsys.readouterr().out.rstrip().endswith('\n1 problem')
+
+
 def _nan(path):
     array = np.load(path)
     array[4, 1, 0] = np.nan
