@@ -33,11 +33,22 @@ def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
     assert torch.equal(model.logit_scale.detach(), torch.tensor(math.log(1 / 0.07)))
 
 
+@pytest.mark.parametrize('other', [('--loss', 'sogclr', '--gamma', '0.5'), ('--loss', 'clip')])
+def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
+    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    assert checkpoint(tmp_path, 'run', 1)['loss_state']['drrho_openclip_loss'] == 'drrho'
+    result = run_openclip(train_args(shapes, tmp_path, 'other', *other, '--resume', first, epochs=2), check=False)
+    assert result.returncode != 0
+    assert (f"--resume '{first}' was written by a run with --loss drrho, and this run is --loss {other[1]}"
+            in result.stderr), result.stderr[-2000:]
+
+
 def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
     # with a fixed τ too there is nothing to save (a learned τ's three buffers would be the loss's state)
     run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--no-learn-temperature',
                             '--ref-features', shapes['ref']))
-    assert 'loss_state' not in checkpoint(tmp_path, 'run', 1)
+    assert checkpoint(tmp_path, 'run', 1)['loss_state'] == {'drrho_openclip_loss': 'drrho'}  # its name alone
 
 
 def loss_args(shapes, name):

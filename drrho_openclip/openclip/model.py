@@ -7,6 +7,7 @@ import torch
 
 from ..losses import (AUTO, DEFAULT_TILE_SIZE, DROContrastiveLoss, LogitScaleTemperature, attach_to_model, compiles_for,
                       create_loss as build, get_loss_spec)
+from .checkpoints import check_resumed_loss
 from .reference import OnlineReference
 from .run import Run
 
@@ -43,7 +44,8 @@ def configure_model(run: Run, model, args):
     reference model go to the model's device, where OpenCLIP has already put the model. A τ the loss does not learn
     through logit_scale freezes the model's logit_scale, at log 1/(the starting τ): DDP must not wait for a gradient
     it never gets. OpenCLIP's logged scale then stays at that start (clamped to at most 100); the τ in force is the
-    loss's own metric (train/tau_image_mean)."""
+    loss's own metric (train/tau_image_mean). A checkpoint to resume that another --loss wrote stops the run here."""
+    check_resumed_loss(run, args)
     if run.plain_clip:
         return
     device = model.logit_scale.device
