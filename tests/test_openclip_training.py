@@ -37,18 +37,19 @@ def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
 def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
     run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
     first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
-    assert checkpoint(tmp_path, 'run', 1)['loss_state']['drrho_openclip_loss'] == 'drrho'
     result = run_openclip(train_args(shapes, tmp_path, 'other', *other, '--resume', first, epochs=2), check=False)
     assert result.returncode != 0
-    assert (f"--resume '{first}' was written by a run with --loss drrho, and this run is --loss {other[1]}"
-            in result.stderr), result.stderr[-2000:]
+    assert (f"--resume '{first}' holds the loss state of another loss or other flags than this run's --loss "
+            f"{other[1]} (differing: ") in result.stderr, result.stderr[-2000:]
+    # drrho's learned τ (and, against clip, its per-sample u) named among what differs
+    assert any(f"(differing: {key}" in result.stderr for key in ('state.log_u_image', 'temperature.exp_avg'))
 
 
 def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
     # with a fixed τ too there is nothing to save (a learned τ's three buffers would be the loss's state)
     run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--no-learn-temperature',
                             '--ref-features', shapes['ref']))
-    assert checkpoint(tmp_path, 'run', 1)['loss_state'] == {'drrho_openclip_loss': 'drrho'}  # its name alone
+    assert 'loss_state' not in checkpoint(tmp_path, 'run', 1)
 
 
 def loss_args(shapes, name):

@@ -18,7 +18,6 @@ from ..losses import load_state_shards, per_sample_tables, save_state_shards
 from .run import Run
 
 SHARDS_KEY = 'per_sample_state_shards'
-LOSS_NAME_KEY = 'drrho_openclip_loss'  # the --loss that wrote a checkpoint, in its loss_state
 SHARD_SET_SUFFIX = '.loss_state'
 # a set, or the staging (.tmp-) or replaced (.old-) directory a killed save left behind
 SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.(?:tmp|old)-[0-9a-f]+)?')
@@ -31,39 +30,40 @@ def _sharded(loss) -> bool:
 
 
 def checkpoint_loss_state(loss, loss_state, completed_epoch, checkpoint_files, args):
-    """Every rank, before rank 0 writes `checkpoint_files`: what goes into checkpoint['loss_state'], with the --loss
-    that wrote it (`check_resumed_loss`)."""
+    """Every rank, before rank 0 writes `checkpoint_files`: what goes into checkpoint['loss_state']."""
     if not _sharded(loss):
-        return {**loss_state, LOSS_NAME_KEY: args.loss}  # the whole state_dict (rank 0's replicated tables)
+        return loss_state  # the whole state_dict, in the checkpoint (rank 0's replicated tables)
     if not checkpoint_files:
         return {}
     directory = Path(checkpoint_files[0]).parent / f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}'
     manifest = save_state_shards(loss, str(directory))
     tables = per_sample_tables(loss)
-    return {**{k: v for k, v in loss_state.items() if k not in tables}, SHARDS_KEY: manifest,
-            LOSS_NAME_KEY: args.loss}
+    return {**{k: v for k, v in loss_state.items() if k not in tables}, SHARDS_KEY: manifest}
 
 
-def check_resumed_loss(run: Run, args):
-    """Before the optimizer state is read: a checkpoint written with another --loss stops the run, naming both
-    (their optimizer groups and loss state differ, which torch reports without the cause). Checkpoints written
-    before the loss was recorded, or not local files, are not checked."""
+def check_resumed_loss(loss, loss_name: str, args):
+    """Before the optimizer state is read: a checkpoint whose loss state is not this loss's (`loss` None: OpenCLIP's
+    own, which keeps none) stops the run, naming the keys that differ; it was written with another --loss or other
+    state flags, whose optimizer groups and state differ too, which torch reports without the cause. Local files
+    only (a remote checkpoint is read once, by OpenCLIP)."""
     if not args.resume or not os.path.isfile(args.resume):
         return
-    state = torch.load(args.resume, map_location='cpu', mmap=True, weights_only=False).get('loss_state')
-    written_by = state.get(LOSS_NAME_KEY) if isinstance(state, dict) else None
-    if written_by is not None and written_by != run.loss_name:
-        raise SystemExit(f"drrho-openclip: --resume '{args.resume}' was written by a run with --loss {written_by}, "
-                         f"and this run is --loss {run.loss_name}: their optimizer and loss state differ. Train the "
-                         f"other loss as a new run (another --name); --pretrained '{args.resume}' starts it from "
-                         f"those weights")
+    saved = torch.load(args.resume, map_location='cpu', mmap=True, weights_only=False).get('loss_state') or {}
+    own = set(loss.state_dict()) if loss is not None else set()
+    tables = set(per_sample_tables(loss)) if loss is not None else set()
+    # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
+    saved = set(saved) - {SHARDS_KEY} | (tables if SHARDS_KEY in saved else set())
+    if saved != own and not (saved < own and own - saved <= tables):  # tables alone: the loss's own message says it
+        differ = sorted(saved ^ own)
+        raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the loss state of another loss or other "
+                         f"flags than this run's --loss {loss_name} (differing: {', '.join(differ[:4])}"
+                         f"{', ...' if len(differ) > 4 else ''}; the checkpoint has {len(saved)} entries, this loss "
+                         f"{len(own)}). Train another loss as a new run (another --name); --pretrained "
+                         f"'{args.resume}' starts it from those weights")
 
 
 def resolve_loss_state(loss, loss_state, args):
-    """Every rank, on resume: the checkpoint's loss state with a shard set read in (this rank's rows of it), less
-    the name of the loss that wrote it."""
-    if isinstance(loss_state, dict):
-        loss_state = {k: v for k, v in loss_state.items() if k != LOSS_NAME_KEY}
+    """Every rank, on resume: the checkpoint's loss state with a shard set read in (this rank's rows of it)."""
     manifest = loss_state.get(SHARDS_KEY) if isinstance(loss_state, dict) else None
     if manifest is None:
         return loss_state

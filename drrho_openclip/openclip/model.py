@@ -44,9 +44,10 @@ def configure_model(run: Run, model, args):
     reference model go to the model's device, where OpenCLIP has already put the model. A τ the loss does not learn
     through logit_scale freezes the model's logit_scale, at log 1/(the starting τ): DDP must not wait for a gradient
     it never gets. OpenCLIP's logged scale then stays at that start (clamped to at most 100); the τ in force is the
-    loss's own metric (train/tau_image_mean). A checkpoint to resume that another --loss wrote stops the run here."""
-    check_resumed_loss(run, args)
+    loss's own metric (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
+    run here."""
     if run.plain_clip:
+        check_resumed_loss(None, run.loss_name, args)
         return
     device = model.logit_scale.device
     options = dict(run.options)
@@ -59,6 +60,7 @@ def configure_model(run: Run, model, args):
         import open_clip
         from_run['embed_dim'] = open_clip.get_model_config(args.model)['embed_dim']
     loss = build(run.loss_name, **options, **{o: from_run[o] for o in supplied})
+    check_resumed_loss(loss, run.loss_name, args)
     sharding = getattr(loss, 'sharding', None)
     if 'state_layout' in options and sharding is not None:
         options['state_layout'] = sharding.layout  # 'auto' resolved from the dataset size and the world size
