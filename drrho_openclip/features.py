@@ -207,8 +207,8 @@ class FeatureStore:
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
-        if len(self._by_name) != len(self.shards):
-            repeated = next(s.name for s in self.shards if sum(t.name == s.name for t in self.shards) > 1)
+        repeated = _first_duplicate([s.name for s in self.shards])
+        if repeated is not None:
             raise FeatureStoreError(f"'{self.root / MANIFEST}' lists shard '{repeated}' more than once")
         self._offsets = np.array([s.offset for s in self.shards], dtype=np.int64)
 

@@ -48,7 +48,7 @@ def check_resumed_loss(loss, loss_name: str, args):
     only (a remote checkpoint is read once, by OpenCLIP)."""
     if not args.resume or not os.path.isfile(args.resume):
         return
-    saved = torch.load(args.resume, map_location='cpu', mmap=True, weights_only=False).get('loss_state') or {}
+    saved = _loss_state_of(args.resume) or {}
     own = set(loss.state_dict()) if loss is not None else set()
     tables = set(per_sample_tables(loss)) if loss is not None else set()
     # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
@@ -86,10 +86,15 @@ def checkpoints_saved(run: Run, completed_epoch, checkpoint_files, args):
         remove_unreferenced_shard_sets(Path(checkpoint_files[0]).parent, completed_epoch, checkpoint_files)
 
 
+def _loss_state_of(checkpoint_file):
+    """A checkpoint file's loss_state (None if it has none), memory-mapped: its tensors are not read."""
+    return torch.load(checkpoint_file, map_location='cpu', mmap=True, weights_only=False).get('loss_state')
+
+
 def _shard_set_of(checkpoint_file: Path):
     """The shard set a checkpoint refers to ('' for none), or None if it cannot be read."""
     try:
-        state = torch.load(checkpoint_file, map_location='cpu', mmap=True, weights_only=False).get('loss_state', {})
+        state = _loss_state_of(checkpoint_file) or {}
     except Exception:  # noqa: BLE001 - unreadable: the caller keeps every set
         return None
     return state.get(SHARDS_KEY, {}).get('directory', '') if isinstance(state, dict) else ''
