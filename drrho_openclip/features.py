@@ -336,6 +336,16 @@ def _check_replaceable(final: Path):
                             f"written there would replace what it holds; choose another output")
 
 
+def _named(root) -> Path:
+    return Path(root) if Path(root).name else Path(root).resolve()  # '.' has no name to append to
+
+
+def partial_dir(root) -> Path:
+    """Where the unfinished store of `root` is written (`ref/` and `ref` alike: `ref.partial`)."""
+    final = _named(root)
+    return final.with_name(final.name + '.partial')
+
+
 class FeatureStoreWriter:
     """Writes a store shard by shard into `<root>.partial/`; `close()` writes the manifest and only then moves the
     finished store to `root` (replacing a previous one), so `root` always holds a complete store or none.
@@ -358,9 +368,9 @@ class FeatureStoreWriter:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: keys only), got {dtype!r}")
         if dtype is None and (model is not None or pretrained is not None or dim is not None):
             raise ValueError("a keys-only store (dtype None) has no model, pretrained weights or dimension")
-        self.final = Path(root) if Path(root).name else Path(root).resolve()  # '.' has no name to append to
+        self.final = _named(root)
         _check_replaceable(self.final)
-        self.root = self.final.with_name(self.final.name + '.partial')
+        self.root = partial_dir(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.dim = dim
         self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype)
@@ -385,7 +395,7 @@ class FeatureStoreWriter:
     @classmethod
     def resume(cls, root) -> 'FeatureStoreWriter':
         """A writer for the unfinished store of `root`, with the settings and shards it was started with."""
-        path = Path(str(root) + '.partial') / PLAN
+        path = partial_dir(root) / PLAN
         if not path.is_file():
             raise FeatureStoreError(f"'{path}' is missing: there is no unfinished store for '{root}'")
         plan = json.loads(path.read_text())

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from .data import (add_data_args, data_keys, local_file_sizes, read_csv, resolve_dataset_type, shard_keys,
                    shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
-                       FeatureStoreWriter, shard_files, shard_name)
+                       FeatureStoreWriter, partial_dir, shard_files, shard_name)
 from .openclip.reference import create_model, pretrained_problem
 
 # How long a part that finds the store being finished by another waits to see it done (the move takes a moment;
@@ -417,7 +417,7 @@ def verify(argv=None) -> int:
     try:
         store = FeatureStore.open(args.store)
     except FeatureStoreError as e:
-        partial = Path(str(args.store).rstrip('/') + '.partial')
+        partial = partial_dir(args.store)
         print(f"PROBLEM: {e}" + (f" ('{partial}' holds an unfinished one: run precompute again with the same "
                                  f"settings, or --finalize once every part has ended)" if partial.is_dir() else ''))
         return 1

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .features import DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows, shard_name
+from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows, partial_dir,
+                       shard_name)
 from .data import add_data_args, data_keys, local_file_sizes, resolve_dataset_type, sources
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
@@ -171,7 +172,7 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
     output = Path(output)
     if (output / MANIFEST).exists() and not overwrite:
         raise FeatureStoreError(f"'{output}' already holds a reference-feature store; pass --overwrite to replace it")
-    partial = output.with_name(output.name + '.partial')
+    partial = partial_dir(output)
     if partial.exists():
         raise FeatureStoreError(f"'{partial}' exists: a store is being written there (delete it if no process is)")
     inputs = input_files(inputs)

@@ -182,7 +182,7 @@ def test_finalize_finishes_a_store_whose_shards_are_all_written(tmp_path, capsys
         precompute.main(['--finalize', '--output', out])
     assert not out.exists()
     (tmp_path / 'ref.partial' / LOCK).unlink()
-    assert precompute.main(['--finalize', '--output', out]) == 0
+    assert precompute.main(['--finalize', '--output', f'{out}/']) == 0  # the README's `--output ref/`
     store = FeatureStore.open(out)
     assert [(s.name, s.count) for s in store.shards] == [('a', 1), ('b', 2)] and store.index_of('b', 'y') == 2
     assert sorted(os.listdir(out)) == ['a.features.npy', 'a.keys.npy', 'b.features.npy', 'b.keys.npy',
