@@ -126,7 +126,8 @@ def decode(stored: np.ndarray, scales: Optional[np.ndarray] = None) -> np.ndarra
     return array if scales is None else array * np.asarray(scales, dtype=np.float32)[..., None]
 
 
-def _first_duplicate(keys: Sequence[str]) -> Optional[str]:
+def first_duplicate(keys: Sequence[str]) -> Optional[str]:
+    """The first key that occurs a second time, or None."""
     seen = set()
     for key in keys:
         if key in seen:
@@ -136,11 +137,11 @@ def _first_duplicate(keys: Sequence[str]) -> Optional[str]:
 
 
 def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text_features: np.ndarray,
-               normalize_hint: str = 'L2-normalise every row'):
-    """Check one shard's rows before they are written, as training will read them: one unique key per row, image
-    and text features of the same [n, dim] shape, every value finite and every row unit-norm (within
-    UNIT_NORM_TOLERANCE; `normalize_hint` says how to make them so). Raises a FeatureStoreError naming the shard and
-    the first sample key at fault."""
+               normalize_hint: str = 'L2-normalise every row', rows_are_index: bool = False):
+    """Check one shard's rows before they are written, as training will read them: one key per row (unique unless
+    `rows_are_index`, as in `FeatureStoreWriter.add_shard`), image and text features of the same [n, dim] shape,
+    every value finite and every row unit-norm (within UNIT_NORM_TOLERANCE; `normalize_hint` says how to make them
+    so). Raises a FeatureStoreError naming the shard and the first sample key at fault."""
     keys = [str(k) for k in keys]
     image_features, text_features = np.asarray(image_features), np.asarray(text_features)
     for what, array in (('image', image_features), ('text', text_features)):
@@ -150,7 +151,7 @@ def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text
     if image_features.shape != text_features.shape:
         raise FeatureStoreError(f"shard '{shard}': image features of dimension {image_features.shape[1]}, text "
                                 f"features of dimension {text_features.shape[1]}")
-    duplicate = _first_duplicate(keys)
+    duplicate = None if rows_are_index else first_duplicate(keys)
     if duplicate is not None:
         raise FeatureStoreError(f"shard '{shard}': sample key '{duplicate}' appears more than once")
     for what, array in (('image', image_features), ('text', text_features)):
@@ -207,7 +208,7 @@ class FeatureStore:
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
-        repeated = _first_duplicate([s.name for s in self.shards])
+        repeated = first_duplicate([s.name for s in self.shards])
         if repeated is not None:
             raise FeatureStoreError(f"'{self.root / MANIFEST}' lists shard '{repeated}' more than once")
         self._offsets = np.array([s.offset for s in self.shards], dtype=np.int64)
@@ -416,7 +417,7 @@ class FeatureStoreWriter:
         if (image_features is None or text_features is None) != (dtype is None):
             raise ValueError(f"shard '{name}': " + ("a keys-only store takes keys alone" if dtype is None else
                                                     "a feature store needs image and text features"))
-        duplicate = None if rows_are_index else _first_duplicate(keys)
+        duplicate = None if rows_are_index else first_duplicate(keys)
         if duplicate is not None:
             raise ValueError(f"shard '{name}': sample keys are not unique, e.g. '{duplicate}'")
         arrays = [encode_keys(keys)]

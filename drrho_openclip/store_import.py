@@ -15,17 +15,20 @@ per data shard (per CSV file), named after the shard (its file name up to the fi
     <shard>.image_features.npy, <shard>.text_features.npy and, optionally, <shard>.keys.npy
 
 Keys are the samples' WebDataset `__key__`s, or for a CSV its image paths (--csv-img-key column); without keys, the
-rows are taken to be the shard's image-text samples in file order (a CSV's rows). The store holds each shard's rows
-in the data's order, so it gives every sample the same dense index as a precomputed store.
+rows are taken to be the shard's image-text samples in file order (a CSV's rows; for a CSV that repeats an image's
+path, one row per caption as COCO's, rows without keys are the only unambiguous form). A sample whose image cannot be
+decoded may lack features: precompute and OpenCLIP's training leave it out too. The store holds each shard's rows in
+the data's order, so it gives every sample the same dense index as a precomputed store.
 
 Nothing is written unless every check passes, each error naming the input file, shard and sample key: an input for
 every shard of --train-data and none for other shards; image and text features of one [n, d] shape, d the same in
 every shard; as many rows as keys (or, without keys, as the shard's samples); unique keys, each a sample of the data,
-and every sample of the data present; finite, unit-norm rows (`--normalize` L2-normalises them first). The store is
-written into `<output>.partial/` and moved to `<output>` only when complete; `verify` accepts it.
+and every decodable sample of the data present; finite, unit-norm rows (`--normalize` L2-normalises them first). The
+store is written into `<output>.partial/` and moved to `<output>` only when complete; `verify` accepts it.
 """
 import argparse
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -33,9 +36,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows, partial_dir,
-                       shard_name)
-from .data import add_data_args, data_keys, local_file_sizes, resolve_dataset_type, sources
+from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows,
+                       first_duplicate, partial_dir, shard_name)
+from .data import add_data_args, data_keys, local_file_sizes, resolve_dataset_type, sources, undecodable_keys
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
 NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)
@@ -123,19 +126,34 @@ def _key(key) -> str:
     return key.decode('utf-8') if isinstance(key, (bytes, np.bytes_)) else str(key)
 
 
-def in_data_order(name: str, file, keys, image, text, data_keys):
-    """The rows of `image` and `text` in the order of the shard's samples `data_keys`; every mismatch between the
-    input's keys (None: the rows are in data order) and the data is an error naming the file, shard and key."""
+def in_data_order(name: str, file, keys, image, text, data_keys, undecodable=None, rows_are_index=False):
+    """(image rows, text rows, their keys) in the order of the shard's samples `data_keys`; every mismatch between
+    the input's keys (None: the rows are in data order) and the data is an error naming the file, shard and key.
+    `undecodable(keys)`, the subset of a WebDataset shard's samples whose image cannot be decoded: precompute and
+    training leave them out, so an input may lack them. With `rows_are_index` (a CSV, whose image paths repeat for
+    an image with several captions) keys may repeat, and keyed rows must then come in the CSV's order."""
     image, text = np.asarray(image, dtype=np.float32), np.asarray(text, dtype=np.float32)
     where = f"input '{file}', shard '{name}'"
     for what, array in (('image', image), ('text', text)):
         if array.ndim != 2:
             raise FeatureStoreError(f"{where}: {what} features of shape {array.shape}, expected [samples, dim]")
-    if keys is None:
-        if len(image) != len(data_keys) or len(text) != len(data_keys):
-            raise FeatureStoreError(f"{where}: {len(image)} image and {len(text)} text feature rows, the data has "
-                                    f"{len(data_keys)} samples (without keys, row i is the data's sample i)")
-        return image, text
+    repeated = rows_are_index and first_duplicate(data_keys) is not None
+    if keys is None or (repeated and list(keys) == list(data_keys)):
+        if len(image) == len(text) == len(data_keys):
+            return image, text, list(data_keys)
+        left_out = undecodable(data_keys) if undecodable and len(image) < len(data_keys) else set()
+        decodable = [k for k in data_keys if k not in left_out]
+        if left_out and len(image) == len(text) == len(decodable):
+            _warn_left_out(where, left_out)
+            return image, text, decodable
+        raise FeatureStoreError(f"{where}: {len(image)} image and {len(text)} text feature rows, the data has "
+                                f"{len(data_keys)} samples" + (f" ({len(left_out)} of them cannot be decoded)"
+                                                               if left_out else "")
+                                + " (without keys, row i is the data's sample i)")
+    if repeated:
+        raise FeatureStoreError(f"{where}: the CSV repeats image paths (an image with several captions), so its rows "
+                                f"cannot be found by key, e.g. '{first_duplicate(data_keys)}': give the features "
+                                f"without keys, one row per CSV row in its order")
     if len(image) != len(keys) or len(text) != len(keys):
         raise FeatureStoreError(f"{where}: {len(keys)} keys, {len(image)} image and {len(text)} text feature rows")
     row_of = {}
@@ -148,10 +166,21 @@ def in_data_order(name: str, file, keys, image, text, data_keys):
     if foreign:
         raise FeatureStoreError(f"{where}: {len(foreign)} keys are not samples of the data, e.g. '{foreign[0]}'")
     absent = [k for k in data_keys if k not in row_of]
+    left_out = undecodable(absent) if absent and undecodable else set()
+    absent = [k for k in absent if k not in left_out]
     if absent:
         raise FeatureStoreError(f"{where}: {len(absent)} samples of the data have no features, e.g. '{absent[0]}'")
-    order = np.array([row_of[k] for k in data_keys], dtype=np.int64)
-    return image[order], text[order]
+    if left_out:
+        _warn_left_out(where, left_out)
+    kept = [k for k in data_keys if k in row_of]
+    order = np.array([row_of[k] for k in kept], dtype=np.int64)
+    return image[order], text[order], kept
+
+
+def _warn_left_out(where: str, left_out: set):
+    logging.warning(f"{where}: {len(left_out)} samples whose image cannot be decoded have no features, e.g. "
+                    f"'{sorted(left_out)[0]}'; left out of the store, as precompute and OpenCLIP's training leave "
+                    f"them out")
 
 
 def normalized(name: str, keys, features: np.ndarray) -> np.ndarray:
@@ -164,11 +193,14 @@ def normalized(name: str, keys, features: np.ndarray) -> np.ndarray:
 
 
 def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imported', normalize=False,
-                 overwrite=False, progress=True, source_bytes: dict = None) -> FeatureStore:
+                 overwrite=False, progress=True, source_bytes: dict = None, undecodable=None,
+                 rows_are_index=False) -> FeatureStore:
     """Write the store `output` from the feature files and directories `inputs`, one per shard of the data, whose
     samples `data_keys` lists ({shard name: keys in data order}); see the module's docstring for the files and the
-    checks; `source_bytes` the sizes of the shards' local files (`data.local_file_sizes`). Returns the store; raises
-    a FeatureStoreError, with nothing written, if any check fails."""
+    checks; `source_bytes` the sizes of the shards' local files (`data.local_file_sizes`); `undecodable(shard,
+    keys)` those of a shard's samples that cannot be decoded (left out, as precompute leaves them); `rows_are_index`
+    for a CSV (its image paths may repeat). Returns the store; raises a FeatureStoreError, with nothing written, if
+    any check fails."""
     output = Path(output)
     if (output / MANIFEST).exists() and not overwrite:
         raise FeatureStoreError(f"'{output}' already holds a reference-feature store; pass --overwrite to replace it")
@@ -190,18 +222,21 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
         for name, keys in tqdm(data_keys.items(), unit='shard', desc='import', disable=not progress):
             files = inputs[name]
             file_keys, image, text = read_features(files)
-            image, text = in_data_order(name, files[0], file_keys, image, text, keys)
+            image, text, keys = in_data_order(
+                name, files[0], file_keys, image, text, keys, rows_are_index=rows_are_index,
+                undecodable=undecodable and (lambda wanted, shard=name: undecodable(shard, wanted)))
             if normalize:
                 image, text = normalized(name, keys, image), normalized(name, keys, text)
             if dim is not None and image.shape[1] != dim:
                 raise FeatureStoreError(f"input '{files[0]}', shard '{name}': features of dimension "
                                         f"{image.shape[1]}, the other shards' are of dimension {dim}")
             try:
-                check_rows(name, keys, image, text, normalize_hint='L2-normalise every row, or import with --normalize')
+                check_rows(name, keys, image, text, rows_are_index=rows_are_index,
+                           normalize_hint='L2-normalise every row, or import with --normalize')
             except FeatureStoreError as e:
                 raise FeatureStoreError(f"input '{files[0]}', {e}") from None
             dim = image.shape[1]
-            writer.add_shard(name, keys, image, text)
+            writer.add_shard(name, keys, image, text, rows_are_index=rows_are_index)
         writer.close()
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # ours: nothing half-written is left to resume
@@ -226,10 +261,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    csv = args.dataset_type == 'csv'
+    urls = dict(sources(args))
     try:
         store = import_store(args.inputs, data_keys(args), args.output, dtype=args.dtype, model=args.model,
                              normalize=args.normalize, overwrite=args.overwrite,
-                             source_bytes=None if args.dataset_type == 'csv' else local_file_sizes(sources(args)))
+                             source_bytes=None if csv else local_file_sizes(urls.items()), rows_are_index=csv,
+                             undecodable=None if csv else lambda shard, keys: undecodable_keys(urls[shard], keys))
     except FeatureStoreError as e:
         raise SystemExit(f"import: {e}")
     print(f"wrote reference features of {store.num_samples} samples ({len(store.shards)} shards, dim {store.dim}, "

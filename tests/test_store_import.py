@@ -117,6 +117,32 @@ def test_a_csv_store_keys_the_image_paths_row_by_row(shapes, tmp_path):
     assert precompute.main(['verify', tmp_path / 'ref', '--train-data', shapes['csv']]) == 0
 
 
+def test_a_csv_of_several_captions_per_image_imports_its_rows_in_order(shapes, tmp_path, capsys):
+    """COCO-like: the CSV repeats an image's path once per caption, so its rows, not its keys, say which features
+    are whose: rows without keys (or keyed in the CSV's order) import; keys in another order cannot be matched."""
+    lines = shapes['csv'].read_text().splitlines()
+    coco = tmp_path / 'coco.csv'
+    coco.write_text('\n'.join([lines[0]] + [line for line in lines[1:9] for _ in range(2)]) + '\n')
+    paths = pd.read_csv(coco, sep='\t')['filepath'].tolist()
+    image, text = unit_rows(len(paths), 0), unit_rows(len(paths), 1)
+    for name, extra in (('rows', {}), ('keyed', {'keys': np.array(paths)}),
+                        ('shuffled', {'keys': np.array(paths[::-1])})):
+        (tmp_path / name).mkdir()
+        np.savez(tmp_path / name / 'coco.npz', image_features=image, text_features=text, **extra)
+    for name in ('rows', 'keyed'):
+        assert precompute.main(['import', tmp_path / name, '--train-data', coco, '--output', tmp_path / f'{name}_ref',
+                                '--dtype', 'float32']) == 0
+        store = FeatureStore.open(tmp_path / f'{name}_ref')
+        assert store.keys('coco').tolist() == paths
+        assert np.array_equal(store.shard_features('coco')[:, 1], text)
+        assert precompute.main(['verify', tmp_path / f'{name}_ref', '--train-data', coco]) == 0
+    with pytest.raises(SystemExit, match=r"the CSV repeats image paths \(an image with several captions\), so its "
+                                         r"rows cannot be found by key, .*give the features without keys, one row "
+                                         r"per CSV row in its order"):
+        precompute.main(['import', tmp_path / 'shuffled', '--train-data', coco, '--output', tmp_path / 'no_ref'])
+    assert not (tmp_path / 'no_ref').exists() and not (tmp_path / 'no_ref.partial').exists()
+
+
 def corrupt(wds, fault):
     """The inputs of `wds` as {shard: (keys, image, text)} with one fault in shard 'part-2'."""
     inputs = {name: (list(keys), *(f.copy() for f in wds['features'][name])) for name, keys in wds['keys'].items()}

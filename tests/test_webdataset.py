@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,6 +137,21 @@ def test_an_image_that_cannot_be_decoded_is_left_out_of_the_store_as_training_le
                     '--train-num-samples', '15', '--epochs', '1')
     args[1] = str(data / 'part-0.tar')
     run_openclip(args)  # training skips that sample too: it never asks the store for it
+    # import, from another encoder's features of the samples it could decode, with keys or in data order
+    keys = store.keys('part-0').tolist()
+    image, text = store.shard_features('part-0').transpose(1, 0, 2)
+    for name, extra in (('keyed', {'keys': np.array(keys[::-1])}), ('ordered', {})):
+        (tmp_path / name).mkdir()
+        rows = slice(None, None, -1) if extra else slice(None)
+        np.savez(tmp_path / name / 'part-0.npz', image_features=image[rows], text_features=text[rows], **extra)
+        result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', 'import', str(tmp_path / name),
+                                 '--train-data', str(data / 'part-0.tar'), '--output', str(tmp_path / f'{name}_ref')],
+                                capture_output=True, text=True, env=ENV)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "1 samples whose image cannot be decoded have no features, e.g. 'sample_0_03_x'" in result.stderr
+        imported = FeatureStore.open(tmp_path / f'{name}_ref')
+        assert imported.keys('part-0').tolist() == keys
+        assert np.array_equal(imported.shard_features('part-0'), store.shard_features('part-0'))
 
 
 def test_precompute_refuses_to_overwrite_a_store(shapes, shards):
