@@ -84,19 +84,33 @@ def _require(file: Path, arrays: dict, names=ARRAYS[:2]):
 
 
 def read_features(files) -> tuple:
-    """(keys or None, image features, text features) of one shard's input file(s), as read from disk."""
+    """(keys or None, image features, text features) of one shard's input file(s), as read from disk; a file that
+    cannot be read (truncated, corrupt, keys saved as Python objects) is an error naming it."""
     files = [Path(f) for f in files]
     file = files[0]
     if file.suffix == '.npy':
-        arrays = {f.name[len(shard_name(f)) + 1:-len('.npy')]: np.load(f, allow_pickle=False) for f in files}
         file = file.with_name(shard_name(file) + '.{image_features,text_features}.npy')
-    elif file.suffix == '.npz':
-        try:
-            with np.load(file, allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in npz.files}
-        except ValueError as e:  # an object array: keys saved as Python objects
-            raise FeatureStoreError(f"input '{file}': {e} (save keys as strings: np.array(keys, dtype=str))")
-    elif file.suffix == '.safetensors':
+    try:
+        arrays = _read_arrays(files)
+    except FeatureStoreError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each reader (numpy, zipfile, safetensors, pyarrow) raises its own
+        hint = (' (save keys as strings: np.array(keys, dtype=str))' if 'allow_pickle' in str(e) else
+                ' (is it complete? a truncated or corrupt file reads so)')
+        raise FeatureStoreError(f"input '{file}' cannot be read: {type(e).__name__}: {e}{hint}") from None
+    _require(file, arrays)
+    keys = arrays.get('keys')
+    return (None if keys is None else [_key(k) for k in keys]), arrays['image_features'], arrays['text_features']
+
+
+def _read_arrays(files) -> dict:
+    file = files[0]
+    if file.suffix == '.npy':
+        return {f.name[len(shard_name(f)) + 1:-len('.npy')]: np.load(f, allow_pickle=False) for f in files}
+    if file.suffix == '.npz':
+        with np.load(file, allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files}
+    if file.suffix == '.safetensors':
         try:
             from safetensors import safe_open
         except ImportError as e:
@@ -106,19 +120,17 @@ def read_features(files) -> tuple:
             metadata = tensors.metadata() or {}
         if 'keys' in metadata:
             arrays['keys'] = np.array(json.loads(metadata['keys']), dtype=str)
-    else:
-        import pandas as pd
-        try:
-            frame = pd.read_parquet(file)
-        except ImportError as e:
-            raise _missing_reader(file, e) from e
-        arrays = {name: frame[name].to_numpy() for name in frame.columns}
-        for name in ARRAYS[:2]:
-            if name in arrays:  # one list of d floats per row
-                arrays[name] = np.stack(arrays[name]) if len(arrays[name]) else np.zeros((0, 0))
-    _require(file, arrays)
-    keys = arrays.get('keys')
-    return (None if keys is None else [_key(k) for k in keys]), arrays['image_features'], arrays['text_features']
+        return arrays
+    import pandas as pd
+    try:
+        frame = pd.read_parquet(file)
+    except ImportError as e:
+        raise _missing_reader(file, e) from e
+    arrays = {name: frame[name].to_numpy() for name in frame.columns}
+    for name in ARRAYS[:2]:
+        if name in arrays:  # one list of d floats per row
+            arrays[name] = np.stack(arrays[name]) if len(arrays[name]) else np.zeros((0, 0))
+    return arrays
 
 
 def _key(key) -> str:

@@ -228,6 +228,26 @@ def test_an_existing_store_is_kept_without_overwrite(wds, tmp_path):
         precompute.main(['import', inputs, '--train-data', wds['urls'], '--output', tmp_path / 'ref'])
 
 
+@pytest.mark.parametrize('fault', ['truncated', 'object keys npy', 'object keys npz'])
+def test_an_input_that_cannot_be_read_is_named(wds, tmp_path, fault):
+    inputs = write_inputs(tmp_path / 'feats', wds, 'npy' if 'npy' in fault else 'npz')
+    if fault == 'truncated':
+        file = inputs / 'part-1.npz'
+        file.write_bytes(file.read_bytes()[:300])
+        message = r"input '.*part-1.npz' cannot be read: .*\(is it complete\?"
+    else:  # keys as a pandas column's values: Python objects, which numpy saves with pickle
+        keys = np.array(wds['keys']['part-1'], dtype=object)
+        if 'npy' in fault:
+            np.save(inputs / 'part-1.keys.npy', keys, allow_pickle=True)
+        else:
+            np.savez(inputs / 'part-1.npz', keys=keys, image_features=wds['features']['part-1'][0],
+                     text_features=wds['features']['part-1'][1])
+        message = r"input '.*part-1.*' cannot be read: .*\(save keys as strings: np.array\(keys, dtype=str\)\)"
+    with pytest.raises(FeatureStoreError, match=message):
+        import_store([inputs], data_keys(wds), tmp_path / 'ref', progress=False)
+    assert not (tmp_path / 'ref').exists() and not (tmp_path / 'ref.partial').exists()
+
+
 def test_a_missing_reader_names_the_package_to_install(wds, tmp_path, monkeypatch):
     inputs = tmp_path / 'feats'
     inputs.mkdir()
