@@ -61,6 +61,13 @@ def local_file_sizes(named_urls) -> dict:
     return {name: os.path.getsize(url) for name, url in named_urls if os.path.isfile(url)}
 
 
+def missing_local_file(named_urls) -> Optional[str]:
+    """The first of the sources ([(name, url)]) that is a local path (not a URL nor a `pipe:` command) and not a
+    file, or None: found before any work, so that a mistyped shard range stops a run that would end at that shard."""
+    return next((url for _, url in named_urls
+                 if '://' not in url and not url.startswith('pipe:') and not os.path.isfile(url)), None)
+
+
 def shard_name_collision(urls) -> Optional[Tuple[str, str]]:
     """The first two different URLs with one shard file name, or None: a store keys shards by file name, so they
     would read one shard's features and per-sample state (the same URL twice reads the same shard: no collision)."""

@@ -35,8 +35,8 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import (add_data_args, data_keys, local_file_sizes, read_csv, resolve_dataset_type, shard_keys,
-                   shard_samples, sources, undecodable_keys)
+from .data import (add_data_args, data_keys, local_file_sizes, missing_local_file, read_csv, resolve_dataset_type,
+                   shard_keys, shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, partial_dir, shard_files, shard_name)
 from .openclip.reference import create_model, pretrained_problem
@@ -221,12 +221,22 @@ def _fetch(parts, device) -> Tuple[np.ndarray, np.ndarray]:
     return torch.cat([p[1] for p in parts]).numpy(), torch.cat([p[2] for p in parts]).numpy()
 
 
-def _compute(args, shards, writer):
-    """Encode `shards` ([(name, source)]), writing each one as soon as its last batch is encoded; returns
-    (samples, seconds of encoding, model loading excluded)."""
+def _load_encoder(args):
+    """(model, preprocess, tokenizer) of the reference; a model that cannot be loaded stops precompute naming it."""
     import open_clip
-    model, preprocess = create_model(args.model, args.pretrained, args.device)
-    tokenizer = open_clip.get_tokenizer(args.model)
+    try:
+        model, preprocess = create_model(args.model, args.pretrained, args.device)
+        return model, preprocess, open_clip.get_tokenizer(args.model)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise SystemExit(f"cannot load the reference model --model {args.model}"
+                         + (f" --pretrained {args.pretrained}" if args.pretrained else '')
+                         + f" on --device {args.device}: {e}") from None
+
+
+def _compute(args, shards, writer, encoder):
+    """Encode `shards` ([(name, source)]) with `encoder` (`_load_encoder`), writing each one as soon as its last
+    batch is encoded; returns (samples, seconds of encoding)."""
+    model, preprocess, tokenizer = encoder
     total = None  # samples to encode, where known without reading the data: a CSV's rows (an ETA)
     if args.dataset_type == 'csv':
         df = read_csv(args)
@@ -312,8 +322,13 @@ def main(argv=None):
         if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
             raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
         shards = sources(args)
+        missing = missing_local_file(shards)
+        if missing:
+            raise SystemExit(f"--train-data: no such file '{missing}'")
         if args.dataset_type == 'csv':
             read_csv(args)  # its columns, before a .partial store is started
+        # the model too: a mistyped --model must not leave a .partial store planned with it
+        encoder = None if args.keys_only else _load_encoder(args)
         names = [name for name, _ in shards]
         sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
         if args.keys_only:
@@ -333,7 +348,7 @@ def main(argv=None):
         samples = _write_keys(args, todo, writer)
         logging.info(f"{where}: read the keys of {samples} samples of {len(todo)} shards")
     elif todo:
-        samples, seconds = _compute(args, todo, writer)
+        samples, seconds = _compute(args, todo, writer, encoder)
         logging.info(f"{where}: encoded {samples} samples of {len(todo)} shards in {seconds:.1f} s "
                      f"({samples / max(seconds, 1e-9):.1f} samples/s)")
     missing = writer.missing()

@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows,
                        first_duplicate, partial_dir, shard_name)
-from .data import add_data_args, data_keys, local_file_sizes, resolve_dataset_type, sources, undecodable_keys
+from .data import (add_data_args, data_keys, local_file_sizes, missing_local_file, resolve_dataset_type, sources,
+                   undecodable_keys)
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
 NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)
@@ -275,6 +276,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     csv = args.dataset_type == 'csv'
     urls = dict(sources(args))
+    missing = missing_local_file(urls.items())
+    if missing:
+        raise SystemExit(f"import: --train-data: no such file '{missing}'")
     try:
         store = import_store(args.inputs, data_keys(args), args.output, dtype=args.dtype, model=args.model,
                              normalize=args.normalize, overwrite=args.overwrite,

@@ -1,6 +1,7 @@
 """Precompute at scale: parts, resume, storage dtypes, finishing the store, and `verify`."""
 import filecmp
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -187,6 +188,25 @@ def test_finalize_finishes_a_store_whose_shards_are_all_written(tmp_path, capsys
     assert [(s.name, s.count) for s in store.shards] == [('a', 1), ('b', 2)] and store.index_of('b', 'y') == 2
     assert sorted(os.listdir(out)) == ['a.features.npy', 'a.keys.npy', 'b.features.npy', 'b.keys.npy',
                                        'manifest.json']
+
+
+def test_what_would_stop_precompute_later_stops_it_before_a_store_is_started(shapes, shards, tmp_path):
+    """A mistyped shard range or model: stopped with its flag named and no `.partial` left behind, which would
+    otherwise hold the mistyped plan and refuse the corrected command."""
+    out = tmp_path / 'ref'
+    cases = [(['--model', shapes['model'], '--train-data', str(shards['root'] / 'part-{0..4}.tar')],
+              f"--train-data: no such file '{shards['root'] / 'part-4.tar'}'"),
+             (['--model', shapes['model'], '--train-data', str(tmp_path / 'train.csv')],
+              f"--train-data: no such file '{tmp_path / 'train.csv'}'"),
+             (['--keys-only', '--train-data', str(shards['root'] / 'part-{0..4}.tar')], "no such file"),
+             (['--model', 'ViT-B-33', '--train-data', shards['urls']],
+              "cannot load the reference model --model ViT-B-33 on --device cpu: ")]
+    for flags, message in cases:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            precompute.main([*flags, '--output', out, *([] if '--keys-only' in flags else ['--device', 'cpu'])])
+        assert not out.exists() and not (tmp_path / 'ref.partial').exists()
+    with pytest.raises(SystemExit, match=re.escape(f"import: --train-data: no such file '{tmp_path / 'x.csv'}'")):
+        precompute.main(['import', tmp_path, '--train-data', tmp_path / 'x.csv', '--output', out])
 
 
 def test_parts_that_end_together_finish_the_store_once(tmp_path):

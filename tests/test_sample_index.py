@@ -90,12 +90,13 @@ def test_keys_only_parts_resume_and_verify(shards, index, tmp_path, monkeypatch,
     assert report.rstrip().endswith('OK')
 
 
-def test_a_feature_run_does_not_resume_a_keys_only_store(shards, tmp_path):
+def test_a_feature_run_does_not_resume_a_keys_only_store(shapes, shards, tmp_path):
     out = tmp_path / 'ref'
     FeatureStoreWriter(out, None, None, dtype=None, shards=[f'part-{s}' for s in range(4)])
     with pytest.raises(SystemExit, match=r"ref.partial' holds an unfinished store written with model None, "
                                          r"pretrained None, keys only: resume it with the same settings"):
-        precompute.main(['--model', 'm', '--train-data', shards['urls'], '--output', out])
+        precompute.main(['--model', shapes['model'], '--train-data', shards['urls'], '--output', out,
+                         '--device', 'cpu'])
 
 
 @pytest.mark.parametrize('extra, message', [
