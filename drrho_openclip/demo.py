@@ -353,6 +353,8 @@ def parse_args(argv=None):
         args.reference_samples = 4 * args.samples
     if args.reference_epochs is None:
         args.reference_epochs = 2 * args.epochs
+    if args.batch_size < 2:
+        p.error(f'--batch-size must be at least 2 (a contrastive loss needs negatives), not {args.batch_size}')
     for flag in ('epochs', 'reference_epochs'):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")

@@ -117,7 +117,9 @@ def parse_args(argv=None):
             p.error('--keys-only is for WebDataset shards: the rows of a CSV are its sample index already')
     else:
         args.dtype = args.dtype or 'float16'
-        args.batch_size = args.batch_size or 256
+        args.batch_size = 256 if args.batch_size is None else args.batch_size
+        if args.batch_size < 1:
+            p.error(f'--batch-size must be at least 1, not {args.batch_size}')
         args.device = args.device or default_device
     if not args.finalize and args.train_data is None:
         p.error('--train-data is required (except with --finalize)')

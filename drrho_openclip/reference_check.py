@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Dict, List
 
 import torch
@@ -277,6 +278,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.batch_size < 2:
         p.error('--batch-size must be at least 2')
+    if args.samples is not None and args.samples < 2:
+        p.error(f'--samples must be at least 2 (retrieval needs candidates), not {args.samples}')
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # before a check that may take minutes
+        p.error(f"--json {args.json}: no folder '{Path(args.json).resolve().parent}' to write it in")
     if args.temperature is not None and not args.temperature > 0:
         p.error('--temperature must be > 0')
     if not args.reference_weight > 0:

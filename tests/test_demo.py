@@ -82,7 +82,8 @@ def test_without_matplotlib_the_table_is_still_printed(tmp_path, capsys, monkeyp
     (['--reference-samples', '0'], '--reference-samples 0 is less than one batch (--batch-size 128)'),
     (['--samples', '64'], '--samples 64 is less than one batch (--batch-size 128)'),
     (['--reference-epochs', '0'], '--reference-epochs must be at least 1, not 0'),
-    (['--epochs', '-1'], '--epochs must be at least 1, not -1')])
+    (['--epochs', '-1'], '--epochs must be at least 1, not -1'),
+    (['--batch-size', '0'], '--batch-size must be at least 2 (a contrastive loss needs negatives), not 0')])
 def test_the_demo_refuses_sizes_it_cannot_train_naming_the_flag(flags, message, capsys):
     with pytest.raises(SystemExit):
         demo.parse_args(flags)

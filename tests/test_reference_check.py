@@ -204,6 +204,21 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
     assert "--distill-weight 0.5 helped where a --loss clip model stayed far below the reference" in out
 
 
+@pytest.mark.parametrize('flags, message', [
+    (['--samples', '-5'], '--samples must be at least 2 (retrieval needs candidates), not -5'),
+    (['--samples', '0'], '--samples must be at least 2'),
+    (['--json', 'no_such_folder/r.json'], "--json no_such_folder/r.json: no folder '")])
+def test_command_refuses_what_it_would_misreport_or_fail_on_at_the_end(tmp_path, capsys, monkeypatch, flags, message):
+    rng = np.random.default_rng(3)
+    image = unit(rng.standard_normal((50, 8)))
+    store = write_store(tmp_path / 's', image, image)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main([str(store), '--batch-size', '16', *flags])
+    captured = capsys.readouterr()
+    assert message in captured.err and 'retrieval (%)' not in captured.out
+
+
 def test_features_command_dispatches_check(tmp_path, capsys):
     from drrho_openclip.precompute import main as features_command
     rng = np.random.default_rng(4)

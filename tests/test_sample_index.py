@@ -111,6 +111,13 @@ def test_keys_only_refuses_the_flags_it_would_ignore(capsys, extra, message):
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('size', ['0', '-3'])
+def test_precompute_refuses_a_batch_size_below_one(capsys, size):
+    with pytest.raises(SystemExit):
+        precompute.parse_args(['--model', 'm', '--train-data', 'x.tar', '--output', 'o', '--batch-size', size])
+    assert f'--batch-size must be at least 1, not {size}' in capsys.readouterr().err
+
+
 def test_keys_only_needs_no_model_and_no_csv(capsys):
     args = precompute.parse_args(['--keys-only', '--train-data', 'x-{0..3}.tar', '--output', 'o'])
     assert args.keys_only and args.model is None and args.dtype is None
