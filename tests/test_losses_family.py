@@ -205,7 +205,7 @@ def test_tempnet_attaches_to_the_model():
 # gradient accumulation: OpenCLIP calls the loss once per chunk on the whole window, the chunk's features live
 
 
-ACCUM_CASES = ['drrho', 'drrho+kd', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
+ACCUM_CASES = ['clip+kd', 'drrho', 'drrho+kd', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
 
 
 @pytest.mark.parametrize('case', ACCUM_CASES)

@@ -18,8 +18,12 @@ class MobileClipLoss(ReferenceFeatures, LastCallMetrics, ClipLoss):
         self._last = {}
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
-                output_dict=False, **_):
+                accum_step=None, output_dict=False, **_):
         self.require_reference(ref_image_features, ref_text_features, "distills from the reference (teacher) model")
+        if accum_step:
+            # a later call on the same accumulation window: logit_scale's gradient, which depends only on the
+            # window's feature values, came whole with its first call
+            logit_scale = logit_scale.detach()
         logits_per_image, logits_per_text = self.logits(image_features, text_features, logit_scale)
         teacher_scale = self.teacher_logit_scale(ref_image_features, ref_text_features)
         teacher_per_image, teacher_per_text = self.logits(ref_image_features, ref_text_features,
