@@ -117,6 +117,12 @@ def test_drrho_paper_is_drrho_with_the_papers_three_flags():
     ('balanced', dict(balance_steps=0), 'at least one balancing step'),
     ('jest', dict(selection_ratio=0.0), 'selection ratio'),
     ('jest', dict(num_chunks=0), 'at least one chunk'),
+    ('isogclr', dict(num_samples=10, temperature='auto'), "temperature 'auto' is chosen from the reference model's"),
+    ('balanced', dict(temperature='auto'), "temperature 'auto' is chosen from the reference model's"),
+    ('balanced', dict(temperature='auto', learn_temperature=False), "temperature 'auto' is chosen"),
+    ('isogclr', dict(num_samples=10, target_negatives=0.0), 'target_negatives must be ≥ 1'),
+    ('tempnet', dict(num_samples=10, embed_dim=4, target_negatives=-2.0), 'target_negatives must be ≥ 1'),
+    ('drrho', dict(num_samples=10, temperature_optimizer='model', target_negatives=0.5), 'target_negatives must be'),
 ])
 def test_bad_options_raise(name, options, message):
     with pytest.raises(ValueError, match=message.replace('(', r'\(').replace(')', r'\)').replace('[', r'\[')):
@@ -136,8 +142,14 @@ def test_bad_calls_raise():
                                           ref_text_features=text)
     with pytest.raises(ValueError, match='sample `index`'):
         create_loss('isogclr', num_samples=8)(image, text)
-    with pytest.raises(IndexError, match='outside the per-sample state'):
+    with pytest.raises(IndexError, match=r'outside the per-sample state of size 4: index 7 \(the dataset is larger'):
         create_loss('isogclr', num_samples=4)(image, text, index=torch.arange(8))
+    with pytest.raises(IndexError, match=r'outside the per-sample state of size 10: index -1 \(sample indices start'):
+        create_loss('isogclr', num_samples=10)(image, text, index=torch.arange(8) - 1)
+    for name in ('drrho', 'sogclr', 'adnce', 'isogclr'):
+        with pytest.raises(ValueError, match='a global batch of 1: the DRO losses need at least 2 samples'):
+            create_loss(name, num_samples=8)(image[:1], text[:1], torch.tensor(10.0), index=torch.arange(1),
+                                             ref_image_features=image[:1], ref_text_features=text[:1])
 
 
 # ---------------------------------------------------------------------------------------------------------------

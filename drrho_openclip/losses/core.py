@@ -205,6 +205,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                 reference = (ref_image, ref_text,
                              gather_batch(ref_image, self.world_size, with_grad=False, device=device),
                              gather_batch(ref_text, self.world_size, with_grad=False, device=device))
+            if all_text.shape[0] < 2:
+                raise ValueError(f"a global batch of {all_text.shape[0]}: the DRO losses need at least 2 samples "
+                                 f"(an anchor's negatives are the batch's other samples)")
             offset = self.rank * image.shape[0]
             log_eps = -math.log(all_text.shape[0] - 1) if self.positive_in_denominator else self.log_eps
             shift = self._shift(reference) if self.use_reference else None

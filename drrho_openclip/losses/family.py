@@ -75,6 +75,16 @@ def _check_auto(o, name, low):
         raise ValueError(f"{name} must be {'> 0' if low > 0 else '≥ 0'}, got {value}")
 
 
+def _check_number(o, name, what):
+    """`name` must be a number here: a loss that has no reference margins (or no global τ) to choose it from."""
+    value = getattr(o, name)
+    if value == AUTO:
+        raise ValueError(f"{name} '{AUTO}' is chosen from the reference model's margins for a global τ, which this "
+                         f"loss does not have: give a number ({what})")
+    if isinstance(value, str) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0 ({what}), got {value!r}")
+
+
 def _check_choice(o, name, choices):
     value = getattr(o, name)
     if value not in choices:
@@ -106,6 +116,9 @@ def _global_temperature(o, use_reference):
 def _rho(o):
     """(ρ, target_negatives) of the core: ρ from the batch ('auto', None for the core) or as given."""
     _check_auto(o, 'rho', 0)
+    if o.rho == AUTO and not o.target_negatives >= 1:
+        raise ValueError(f"target_negatives must be ≥ 1 (an anchor has at least one negative), got "
+                         f"{o.target_negatives}")
     return (None if o.rho == AUTO else o.rho), o.target_negatives
 
 
@@ -258,6 +271,7 @@ def fastclip(o):
                   tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8),
     inactive=_estimator_temperature_inactive)
 def isogclr(o):
+    _check_number(o, 'temperature', "the per-sample τ's start")
     if o.lr_tau == AUTO:
         raise ValueError(f"lr_tau '{AUTO}' is a learned global τ's; the per-sample τ's Adam needs a number")
     sharding = _sharding(o, per_sample_temperature=True)
@@ -304,6 +318,7 @@ def adnce(o):
          "Liu et al., 2024)",
     defaults=dict(learn_temperature=True, temperature=0.07, balance_steps=2, reference_shift=False))
 def balanced(o):
+    _check_number(o, 'temperature', "the logit scale's start, or the fixed τ")
     temperature = LogitScaleTemperature() if o.learn_temperature else FixedTemperature(o.temperature)
     return BalancedClipLoss(temperature, o.balance_steps, use_reference=o.reference_shift, rank=o.rank,
                             world_size=o.world_size)

@@ -32,11 +32,13 @@ AUTO_SHARD_FROM_SAMPLES = 1 << 22
 def check_index(index: torch.Tensor, num_rows: int):
     """Every sample index must have a row. Exact, with a Python error, on the CPU; on an accelerator an exact check
     would wait for the device every step, so there it is a device-side assertion that fails the step."""
-    message = (f"a sample index is outside the per-sample state of size {num_rows}: the dataset is larger than the "
-               f"one the state was sized for")
+    message = f"a sample index is outside the per-sample state of size {num_rows}"
     if index.device.type == 'cpu':
-        if index.numel() and (index.min() < 0 or index.max() >= num_rows):
-            raise IndexError(f"{message} (index {int(index.max())})")
+        if index.numel() and index.min() < 0:
+            raise IndexError(f"{message}: index {int(index.min())} (sample indices start at 0)")
+        if index.numel() and index.max() >= num_rows:
+            raise IndexError(f"{message}: index {int(index.max())} (the dataset is larger than the one the state "
+                             f"was sized for)")
     else:
         torch._assert_async(((index >= 0) & (index < num_rows)).all(), message)
 
