@@ -104,6 +104,24 @@ def test_gradient_accumulation_equals_the_large_batch(shapes, tmp_path):
     assert_equivalent_runs(checkpoint(tmp_path, 'big', 2), checkpoint(tmp_path, 'accum', 2))
 
 
+@pytest.mark.parametrize('name', ['tempnet', 'balanced', 'drrho-logit-scale', 'clip+kd'])
+def test_two_ranks_accumulating_gradients_equal_one_rank_with_the_large_batch(shapes, tmp_path, name):
+    """The losses whose τ is a model parameter (TempNet's weights, the model's logit_scale): a later call of an
+    accumulation window takes τ as the first call's constant, yet under DDP the parameter must still take part in
+    its backward (the runs stopped at their second step)."""
+    ref = ('--ref-features', shapes['ref'])
+    loss = {'tempnet': loss_args(shapes, 'tempnet'),
+            'balanced': ('--loss', 'balanced'),
+            'drrho-logit-scale': (*DRRHO, *ref, '--temperature-optimizer', 'model'),
+            'clip+kd': ('--loss', 'clip', '--distill-weight', '0.5', *ref)}[name]
+    run_openclip(train_args(shapes, tmp_path, 'one', *loss, *SGD, batch_size=8, epochs=2))
+    run_openclip(train_args(shapes, tmp_path, 'two', *loss, *SGD, '--local-loss', '--gather-with-grad',
+                            '--accum-freq', '2', batch_size=2, epochs=2), nproc=2)
+    one = checkpoint(tmp_path, 'one', 2)
+    assert_equivalent_runs(one, checkpoint(tmp_path, 'two', 2), prefix='module.')
+    assert_training_moved(checkpoint(tmp_path, 'one', 1), one)
+
+
 def assert_training_moved(before, after):
     """Guards the equivalence tests against runs that agree only because nothing was learnt."""
     change = max((after['state_dict'][k] - before['state_dict'][k]).abs().max().item() for k in after['state_dict'])

@@ -17,7 +17,7 @@ log-sum-exp over all ranks' rows is gathered with gradient too, so value and gra
 import torch
 from torch import nn
 
-from .base import LastCallMetrics, ReferenceFeatures
+from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph
 from .collectives import gather_batch
 from .precision import autocast_disabled, pairwise_dtype, product, similarities
 
@@ -77,7 +77,7 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             sim_text = None if whole_batch else similarities(text, all_image)
             tau = self.temperature(logit_scale=logit_scale)[0].to(sim_image.dtype)
             if accum_step:  # a later call on the same window: τ's gradient came whole with the first call
-                tau = tau.detach()
+                tau = keep_in_graph(tau.detach(), tau)
             if self.use_reference:
                 ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)

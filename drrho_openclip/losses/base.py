@@ -1,6 +1,17 @@
-"""What the losses share beyond their arithmetic: where reference features come from, and how the last call's
-diagnostics reach the training loop's logger."""
+"""What the losses share beyond their arithmetic: where reference features come from, how the last call's
+diagnostics reach the training loop's logger, and how a later call of an accumulation window leaves τ alone."""
 import torch
+
+
+def keep_in_graph(value: torch.Tensor, *tensors) -> torch.Tensor:
+    """`value` plus zero times each of `tensors` that requires grad: they get a zero gradient. A later call of an
+    accumulation window uses the first call's τ as a constant (τ's gradient came whole with that call), yet DDP
+    requires every parameter that the window's first backward reached (the model's logit_scale, TempNet's weights)
+    to take part in each later backward too, or it stops at the next step."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            value = value + 0 * tensor.sum().to(value.dtype)
+    return value
 
 
 class ReferenceFeatures:

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .base import ReferenceFeatures
+from .base import ReferenceFeatures, keep_in_graph
 from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
@@ -178,7 +178,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         if accum_step:
             # a later call on the same window: the first call's τ, as constants. τ's gradient depends only on the
             # window's feature values, so the first call already carried all of it (and any per-sample τ step)
-            return self._window_tau
+            tau_image, tau_text = self._window_tau
+            return keep_in_graph(tau_image, logit_scale, *self.temperature.parameters()), tau_text
         tau_image, tau_text = self.temperature(logit_scale=logit_scale, index=index, image_features=image_features,
                                                text_features=text_features, reference=reference)
         like = dict(device=image_features.device, dtype=elementwise_dtype(image_features.dtype))

@@ -27,7 +27,7 @@ samples with gradient, and apply `self.clip` (CLIP's loss with OpenCLIP's semant
 import torch
 from torch import nn
 
-from .base import LastCallMetrics, ReferenceFeatures
+from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph
 from .clip import ClipLoss
 from .collectives import gather_batch
 from .distill import TeacherLogitScale
@@ -112,7 +112,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         if accum_step:
             # a later call on the same window: its first call's selection; logit_scale's gradient, which depends
             # only on the window's feature values, came whole with that call
-            selected, logit_scale = self._window, logit_scale.detach()
+            selected, logit_scale = self._window, keep_in_graph(logit_scale.detach(), logit_scale)
         else:
             selected = self.select(image_features, text_features, logit_scale, ref_image_features, ref_text_features)
             self._window = selected if accum_step is not None else None

@@ -2,7 +2,7 @@
 teacher. As OpenCLIP's `DistillClipLoss`: KD (`distill.soft_cross_entropy`) of the student's CLIP logits against
 the teacher's at its logit scale (given, or calibrated on the first batch: `distill.TeacherLogitScale`), over the same
 rows and columns, averaged over both directions."""
-from .base import LastCallMetrics, ReferenceFeatures
+from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph
 from .clip import ClipLoss
 from .distill import TeacherLogitScale, soft_cross_entropy
 
@@ -23,7 +23,7 @@ class MobileClipLoss(ReferenceFeatures, LastCallMetrics, ClipLoss):
         if accum_step:
             # a later call on the same accumulation window: logit_scale's gradient, which depends only on the
             # window's feature values, came whole with its first call
-            logit_scale = logit_scale.detach()
+            logit_scale = keep_in_graph(logit_scale.detach(), logit_scale)
         logits_per_image, logits_per_text = self.logits(image_features, text_features, logit_scale)
         teacher_scale = self.teacher_logit_scale(ref_image_features, ref_text_features)
         teacher_per_image, teacher_per_text = self.logits(ref_image_features, ref_text_features,
