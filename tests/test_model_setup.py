@@ -1,9 +1,12 @@
 """The loss a run builds: on the model's device with everything it holds, and the start-up warning for OpenCLIP's
 loss flags a loss does not read."""
+import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import open_clip
+import PIL.Image
 import pytest
 
 from conftest import run_openclip, train_args
@@ -100,3 +103,49 @@ def test_the_run_says_when_the_loss_compiles_at_its_first_step(shapes, loss, com
     with caplog.at_level(logging.INFO):
         plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
     assert ('compiled by TorchInductor during the first training step' in caplog.text) == logged
+
+
+def test_an_online_reference_reads_the_learners_batches_as_its_own(shapes, tmp_path):
+    """Built in the run's --precision from --cache-dir; sizes compared as both models were built (--force-* flags
+    included); images normalised with the learner's mean and std re-normalised to the reference's own."""
+    import torch
+    from drrho_openclip.openclip.reference import OnlineReference
+    reference_dir = tmp_path / 'ref'
+    reference_dir.mkdir()
+    config = json.loads((Path(shapes['model'].split(':', 1)[1]) / 'open_clip_config.json').read_text())
+    config['preprocess_cfg'] = {'mean': [0.5, 0.5, 0.5], 'std': [0.5, 0.5, 0.5]}  # as SigLIP's
+    (reference_dir / 'open_clip_config.json').write_text(json.dumps(config))
+    checkpoint = tmp_path / 'ref.pt'
+    torch.save(open_clip.create_model(f'local-dir:{reference_dir}').state_dict(), checkpoint)
+    args = parse('--model', shapes['model'], '--loss', 'drrho', '--ref-model', f'local-dir:{reference_dir}',
+                 '--ref-pretrained',
+                 checkpoint, '--cache-dir', tmp_path / 'cache', '--precision', 'pure_bf16')
+    learner, _, learner_preprocess = open_clip.create_model_and_transforms(shapes['model'])
+    reference = OnlineReference(learner, args, 'cpu')
+    assert {p.dtype for p in reference.model.parameters()} == {torch.bfloat16}  # --precision pure_bf16
+    picture = PIL.Image.new('RGB', (40, 40), (200, 30, 90))
+    _, _, reference_preprocess = open_clip.create_model_and_transforms(f'local-dir:{reference_dir}')
+    tokens = open_clip.get_tokenizer(shapes['model'])(['a red square'])
+    got = reference(learner_preprocess(picture)[None].bfloat16(), tokens)[0]
+    want = reference.model.encode_image(reference_preprocess(picture)[None].bfloat16(), normalize=True)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2)
+    unnormalised = reference.model.encode_image(learner_preprocess(picture)[None].bfloat16(), normalize=True)
+    assert not torch.allclose(unnormalised.float(), want.float(), atol=2e-2)  # the test can tell the two apart
+
+    captured = {}
+    real = open_clip.create_model_and_transforms
+
+    def recording(*a, **kw):
+        captured.update(kw)
+        return real(*a, **kw)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(open_clip, 'create_model_and_transforms', recording)
+        OnlineReference(learner, args, 'cpu')
+    assert captured['cache_dir'] == str(tmp_path / 'cache')  # a hub reference's weights come from --cache-dir
+
+    forced = open_clip.create_model(shapes['model'], force_image_size=48)
+    with pytest.raises(ValueError, match=r"has image_size \(32, 32\), the learner \(48, 48\) \(with --force-\* flags "
+                                         r"applied\): it cannot read the learner's batches"):
+        OnlineReference(forced, args, 'cpu')
+    with pytest.raises(ValueError, match=r"has context_length 16, the learner 8"):
+        OnlineReference(open_clip.create_model(shapes['model'], force_context_length=8), args, 'cpu')

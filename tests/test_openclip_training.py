@@ -147,8 +147,11 @@ def test_every_loss_trains_under_bf16_autocast(shapes, tmp_path, name, extra):
     assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
 
 
-def test_online_reference_model_runs(shapes, tmp_path):
-    run_openclip(train_args(shapes, tmp_path, 'online', '--loss', 'drrho', '--ref-model', shapes['model']))
+@pytest.mark.parametrize('precision', ['fp32', 'pure_bf16'])
+def test_online_reference_model_runs(shapes, tmp_path, precision):
+    # pure_bf16: the loop hands the reference bf16 images, which a float32 reference could not read
+    run_openclip(train_args(shapes, tmp_path, 'online', '--loss', 'drrho', '--ref-model', shapes['model'],
+                            '--precision', precision))
     assert checkpoint(tmp_path, 'online', 1)['epoch'] == 1
 
 

@@ -76,7 +76,7 @@ def configure_model(run: Run, model, args):
         logging.info("drrho-openclip: the loss's passes over the pairwise matrix are compiled by TorchInductor during "
                      "the first training step (once per run, some seconds; TORCH_COMPILE_DISABLE=1 runs them eagerly)")
     if args.ref_model is not None:
-        loss.reference_encoder = OnlineReference(args.model, args.ref_model, args.ref_pretrained, device)
+        loss.reference_encoder = OnlineReference(model, args, device)
     temperature = options.get('temperature')
     if temperature not in (None, AUTO):  # an 'auto' τ is chosen at the first batch, by the loss
         with torch.no_grad():

@@ -22,7 +22,7 @@ def pretrained_problem(name: str, pretrained: Optional[str]) -> Optional[str]:
     return None
 
 
-def create_model(name: str, pretrained: str = None, device='cpu'):
+def create_model(name: str, pretrained: str = None, device='cpu', precision='fp32', cache_dir=None):
     """An OpenCLIP model in eval mode and its evaluation transform, from a pretrained tag or a local checkpoint file
     (OpenCLIP's own factory ignores `pretrained` for `local-dir:` models, so files are loaded here). It says where
     its weights came from: OpenCLIP's own log says "initialized randomly" before a file is loaded."""
@@ -32,7 +32,8 @@ def create_model(name: str, pretrained: str = None, device='cpu'):
         raise ValueError(f"reference model {name}: {problem}")
     is_file = bool(pretrained) and Path(pretrained).is_file()
     model, _, preprocess = open_clip.create_model_and_transforms(
-        name, pretrained=None if is_file or not pretrained else pretrained, device=device)
+        name, pretrained=None if is_file or not pretrained else pretrained, device=device, precision=precision,
+        cache_dir=cache_dir)
     if is_file:
         open_clip.load_checkpoint(model, pretrained, device=device)
     if pretrained:
@@ -43,21 +44,44 @@ def create_model(name: str, pretrained: str = None, device='cpu'):
     return model.eval(), preprocess
 
 
+def _sizes(model) -> dict:
+    """What a model needs of its input batches: the image size (as built, --force-image-size included), the token
+    context length and vocabulary."""
+    size = model.visual.image_size
+    return {'image_size': tuple(size) if isinstance(size, (tuple, list)) else (size, size),
+            'context_length': model.context_length, 'vocab_size': model.vocab_size}
+
+
 class OnlineReference:
     """Reference features computed on the fly from the learner's batch (its augmentation and tokenizer), on the
-    learner's device."""
+    learner's device, in the run's --precision. The reference must read the learner's batches: the same image size,
+    context length and vocabulary; images normalised with another mean and std than the reference's own are
+    re-normalised for it (one affine map per channel)."""
 
-    def __init__(self, learner: str, name: str, pretrained: str, device):
-        import open_clip
-        learner_config, config = open_clip.get_model_config(learner), open_clip.get_model_config(name)
-        if learner_config is not None and config is not None:
-            for part, key in (('vision_cfg', 'image_size'), ('text_cfg', 'context_length'), ('text_cfg', 'vocab_size')):
-                a, b = learner_config[part].get(key), config[part].get(key)
-                if a != b:
-                    raise ValueError(f"--ref-model {name} has {key}={b}, the learner {a}: it cannot read the "
-                                     f"learner's batches; precompute its features with drrho-openclip-features")
-        self.model = create_model(name, pretrained, device)[0].requires_grad_(False)
+    def __init__(self, learner, args, device):
+        self.model = create_model(args.ref_model, args.ref_pretrained, device, precision=args.precision,
+                                  cache_dir=args.cache_dir)[0].requires_grad_(False)
+        theirs, ours = _sizes(self.model), _sizes(learner)
+        for key in theirs:
+            if theirs[key] != ours[key]:
+                raise ValueError(f"--ref-model {args.ref_model} has {key} {theirs[key]}, the learner {ours[key]} (with "
+                                 f"--force-* flags applied): it cannot read the learner's batches; precompute its "
+                                 f"features with drrho-openclip-features")
+        self.renormalize = None
+        learner_cfg, cfg = learner.visual.preprocess_cfg, self.model.visual.preprocess_cfg
+        if (learner_cfg['mean'], learner_cfg['std']) != (cfg['mean'], cfg['std']):
+            channel = dict(device=device, dtype=torch.float32)
+            mean, std = (torch.tensor(cfg[k], **channel).view(1, -1, 1, 1) for k in ('mean', 'std'))
+            learner_mean, learner_std = (torch.tensor(learner_cfg[k], **channel).view(1, -1, 1, 1)
+                                         for k in ('mean', 'std'))
+            # x_ref = (x·σ_learner + µ_learner − µ_ref) / σ_ref, from the learner's normalised pixels
+            self.renormalize = (learner_std / std, (learner_mean - mean) / std)
+            logging.info(f"drrho-openclip: the reference's images are re-normalised from the learner's mean "
+                         f"{learner_cfg['mean']} and std {learner_cfg['std']} to its own {cfg['mean']}, {cfg['std']}")
 
     @torch.no_grad()
     def __call__(self, images, texts):
+        if self.renormalize is not None:
+            scale, shift = self.renormalize
+            images = (images.float() * scale + shift).to(images.dtype)
         return self.model.encode_image(images, normalize=True), self.model.encode_text(texts, normalize=True)
