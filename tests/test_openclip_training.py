@@ -64,6 +64,25 @@ def loss_args(shapes, name):
     }[name]
 
 
+def test_a_checkpoint_is_evaluated_without_training_data(shapes, tmp_path):
+    """--val-data with --resume and no --train-data only evaluates: OpenCLIP reads no loss state, and a stateful
+    loss has no training data to size its state by (it crashed reading the CSV of --train-data, None); a TempNet
+    checkpoint's model holds the modules its loss attached, which a plain --loss clip model lacks."""
+    def evaluate(name, checkpoint_file, *loss, check=True):
+        args = train_args(shapes, tmp_path, name, '--resume', checkpoint_file, *loss)
+        args[args.index('--train-data')] = '--val-data'
+        return run_openclip(args, check=check)
+    for name in ('sogclr', 'tempnet'):
+        run_openclip(train_args(shapes, tmp_path, name, *loss_args(shapes, name)))
+        saved = tmp_path / name / 'checkpoints' / 'epoch_1.pt'
+        result = evaluate(f'{name}_eval', saved, *loss_args(shapes, name))
+        assert 'image_to_text_R@1' in result.stdout + result.stderr
+    result = evaluate('plain', tmp_path / 'sogclr' / 'checkpoints' / 'epoch_1.pt')  # its loss state is not read
+    assert 'image_to_text_R@1' in result.stdout + result.stderr
+    result = evaluate('tempnet_plain', tmp_path / 'tempnet' / 'checkpoints' / 'epoch_1.pt', check=False)
+    assert result.returncode != 0 and "holds modules a loss attached to the model (loss_temperature." in result.stderr
+
+
 @pytest.mark.parametrize('name', ['drrho', 'isogclr', 'tempnet'])
 def test_killed_run_resumes_exactly(shapes, tmp_path, name):
     args = lambda run, *extra: train_args(shapes, tmp_path, run, *loss_args(shapes, name), *extra, epochs=2)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..losses import load_state_shards, per_sample_tables, save_state_shards
+from .flags import trains
 from .run import Run
 
 SHARDS_KEY = 'per_sample_state_shards'
@@ -47,6 +48,14 @@ def check_resumed_loss(loss, loss_name: str, args):
     state flags, whose optimizer groups and state differ too, which torch reports without the cause. Local files
     only (a remote checkpoint is read once, by OpenCLIP)."""
     if not args.resume or not os.path.isfile(args.resume):
+        return
+    if not trains(args):  # evaluating: no loss state is read, but the model's weights are, strictly
+        attached = [k for k in _checkpoint_of(args.resume).get('state_dict', {})
+                    if k.removeprefix('module.').startswith('loss_')]
+        if loss is None and attached:
+            raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds modules a loss attached to the model "
+                             f"({attached[0]}, ...: TempNet's, of --loss tempnet), which this run's model lacks: "
+                             f"evaluate with the --loss flags it was trained with, or load it with --pretrained")
         return
     saved = _loss_state_of(args.resume) or {}
     own = set(loss.state_dict()) if loss is not None else set()
@@ -86,9 +95,14 @@ def checkpoints_saved(run: Run, completed_epoch, checkpoint_files, args):
         remove_unreferenced_shard_sets(Path(checkpoint_files[0]).parent, completed_epoch, checkpoint_files)
 
 
+def _checkpoint_of(checkpoint_file) -> dict:
+    """A checkpoint file's contents, memory-mapped: its tensors are not read."""
+    return torch.load(checkpoint_file, map_location='cpu', mmap=True, weights_only=False)
+
+
 def _loss_state_of(checkpoint_file):
-    """A checkpoint file's loss_state (None if it has none), memory-mapped: its tensors are not read."""
-    return torch.load(checkpoint_file, map_location='cpu', mmap=True, weights_only=False).get('loss_state')
+    """A checkpoint file's loss_state (None if it has none), memory-mapped."""
+    return _checkpoint_of(checkpoint_file).get('loss_state')
 
 
 def _shard_set_of(checkpoint_file: Path):

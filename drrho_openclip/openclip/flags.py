@@ -338,11 +338,19 @@ def check_csv_keys(store, csv_path, images):
                                     f"'{image}' in '{csv_path}'")
 
 
+def trains(args) -> bool:
+    """Whether the run has training data; without, OpenCLIP only evaluates (--val-data, --imagenet-val) and returns
+    before it builds the loss or reads a checkpoint's loss state."""
+    return args.train_data is not None or args.dataset_type == 'synthetic'
+
+
 def _sample_index_size(args, index_store) -> int:
     """Size of the dense sample index: the store's (--ref-features or --sample-index), a CSV's rows, or the
     synthetic dataset's size."""
     if index_store is not None:
         return index_store.num_samples
+    if not trains(args):
+        return 1  # a stand-in: no state is trained or read, but the loss attaches its modules the model's weights hold
     kind = input_kind(args.train_data, args.dataset_type)
     if kind == 'synthetic':
         return args.train_num_samples
