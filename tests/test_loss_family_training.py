@@ -73,6 +73,7 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
       '--distill-pretrained', 'z'), "--distill-model: --loss clip with --distill-weight replaces OpenCLIP's loss"),
     (('--loss', 'fastclip', '--model', 'coca_ViT-B-32'), 'a CoCa model trains with a captioning loss as well'),
     (('--loss', 'sogclr', '--horovod'), '--horovod: --loss sogclr communicates through torch.distributed'),
+    (('--loss', 'tempnet', '--torchscript'), "--torchscript: --loss tempnet attaches its learnable modules"),
     # OpenCLIP ignores a local-dir: model's pretrained: a mistyped checkpoint path left a random reference
     (('--loss', 'drrho', '--ref-model', 'local-dir:/models/ref', '--ref-pretrained', '/models/ref/epoch_20.pt'),
      "--ref-pretrained: '/models/ref/epoch_20.pt' is not a file, and a local-dir: model loads its weights from a "

@@ -191,6 +191,9 @@ def check_args(args, parser) -> Run:
     except ValueError as e:
         parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
     keeps_state = bool(per_sample_tables(loss))
+    if getattr(args, 'torchscript', False) and any(p.requires_grad for p in loss.parameters()):
+        parser.error(f"--torchscript: --loss {args.loss} attaches its learnable modules (TempNet's) to the model, "
+                     f"which a scripted model cannot take; drop --torchscript")
     if isinstance(getattr(loss, 'temperature', None), LogitScaleTemperature) and not (
             LOGIT_SCALE_TAU_RANGE[0] <= options.temperature <= LOGIT_SCALE_TAU_RANGE[1]):
         parser.error(f"--temperature {options.temperature}: --loss {args.loss} learns τ here as the model's "
