@@ -1108,7 +1108,8 @@ def clip_reference(args, pool, common, model, ref_data, subsets, train_full, wor
     fractions = list(subsets)
     batch = args.ref_batch_size
     ref = pool.submit(run_task, dict(common, name='reference', loss='clip', fraction=None, seed=0,
-                                     epochs=args.ref_epochs, samples_per_epoch=len(ref_data) // batch * batch,
+                                     train_data=ref_data.spec, epochs=args.ref_epochs,
+                                     samples_per_epoch=len(ref_data) // batch * batch,
                                      batch_size=batch, keep_checkpoints=True,
                                      argv=train_argv(model, ref_data, len(ref_data), logs, 'reference',
                                                      args.ref_epochs, args, 0, batch_size=batch))).result()

@@ -578,3 +578,19 @@ def test_evidence_summary_takes_clip_from_a_run_of_the_same_setting(tmp_path):
     assert saved['a_other_reference']['recall_vs_clip']['drrho --x']['1.0'] is None
     text = (tmp_path / 'summary.md').read_text()
     assert text.count('`clip` from a (the same setting and seeds).') == 1
+
+
+def test_replication_runs_end_to_end_with_a_reference_it_trains(tmp_path):
+    """The default --reference clip: the reference is trained and scored (held-out retrieval split by known tokens
+    included) like the targets, then every target trains with its features; the smallest run of the pipeline."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / 'replication.py'), '--data', 'shapes', '--quick',
+                             '--losses', 'clip', 'drrho', '--seeds', '0', '1', '2', '--fractions', '1',
+                             '--train-samples', '64', '--ref-samples', '64', '--test-samples', '32', '--epochs', '1',
+                             '--ref-epochs', '1', '--batch-size', '16', '--ref-batch-size', '16', '--jobs', '1',
+                             '--workdir', str(tmp_path / 'work'), '--output', str(tmp_path / 'out')],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    saved = json.loads((tmp_path / 'out' / 'replication_quick.json').read_text())
+    assert 0 <= saved['reference_mean_recall'] <= 100 and 'known_tokens_recall' in saved['reference_retrieval']
+    assert sorted((run['loss'], run['seed']) for run in saved['runs'] if 'error' not in run) == [
+        (loss, seed) for loss in ('clip', 'drrho') for seed in (0, 1, 2)]
