@@ -100,7 +100,10 @@ def train(model_name, split, loss_name, options, batch_size, steps, seed, refere
     model, _, _ = untrained_model(model_name)
     model.output_dict = True  # as open_clip_train.main creates it
     model.train()
-    epochs = math.ceil(steps * batch_size / len(split))
+    batches_per_epoch = len(split) // batch_size  # an epoch drops its partial batch
+    if batches_per_epoch == 0:
+        raise SystemExit(f"batch size {batch_size} is larger than the {len(split)} training pairs")
+    epochs = math.ceil(steps / batches_per_epoch)  # enough epochs for every one of the `steps`
     extra = dict(num_samples=len(split), gamma_decay_epochs=epochs) if loss_name != 'clip' else {}
     loss = create_loss(loss_name, **options, **extra)
     if hasattr(loss, 'set_total_steps'):

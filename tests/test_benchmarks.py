@@ -594,3 +594,25 @@ def test_replication_runs_end_to_end_with_a_reference_it_trains(tmp_path):
     assert 0 <= saved['reference_mean_recall'] <= 100 and 'known_tokens_recall' in saved['reference_retrieval']
     assert sorted((run['loss'], run['seed']) for run in saved['runs'] if 'error' not in run) == [
         (loss, seed) for loss in ('clip', 'drrho') for seed in (0, 1, 2)]
+
+
+def test_temperature_defaults_trains_every_step_whatever_the_batch(tmp_path):
+    """Each epoch drops its partial batch, so a batch that does not divide the pairs needs more epochs than the
+    samples seen suggest: the run must still take all its steps (it took fewer, and none with a batch above the
+    pairs, then failed reading τ)."""
+    import temperature_defaults
+    from drrho_openclip.demo import write_tiny_model
+    model = write_tiny_model(tmp_path / 'tiny')
+    generator = torch.Generator().manual_seed(0)
+
+    class Split:  # 10 pairs, as the benchmark's splits: images, tokens, len()
+        images = torch.randn(10, 3, 32, 32, generator=generator)
+        texts = torch.randint(1, 1000, (10, 16), generator=generator)
+
+        def __len__(self):
+            return 10
+    split = Split()
+    _, taus = temperature_defaults.train(model, split, 'clip', {}, batch_size=4, steps=5, seed=0)
+    assert len(taus) == 5  # 2 batches an epoch: 3 epochs, not the 2 of 5 × 4 samples over 10 pairs
+    with pytest.raises(SystemExit, match='batch size 16 is larger than the 10 training pairs'):
+        temperature_defaults.train(model, split, 'clip', {}, batch_size=16, steps=2, seed=0)
