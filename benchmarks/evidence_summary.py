@@ -9,6 +9,7 @@ table, with each R@k and class@1 below it; top-1 too in summary.json), and the Â
 It also writes FOLDER/defaults.md: the folders named `*_defaults` (each setting's every method in one run at the
 plugin's defaults of the day it ran) side by side, one column per setting, the README's evidence table.
 """
+import argparse
 import json
 import math
 import statistics
@@ -229,8 +230,10 @@ def plot(runs, path):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    evidence = Path(argv[0]) if argv else EVIDENCE
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('folder', nargs='?', default=str(EVIDENCE),
+                   help='the evidence folder, one replication.py output per subfolder (default: %(default)s)')
+    evidence = Path(p.parse_args(argv).folder)
     runs = load(evidence)
     out = {name: dict(config=r['config'], clip_from=r.get('clip_from'), reference_accuracy=r['reference_accuracy'],
                       reference_mean_recall=r['reference_mean_recall'], summary={

@@ -22,6 +22,7 @@ worst case of a per-vector int8 scale, set by the largest coordinate).
 Read rate: `FeatureStore.batch_features(index)` (what a loader worker calls per batch) on 16 batches of 256 random
 indices, samples/s.
 """
+import argparse
 import json
 import platform
 import sys
@@ -138,7 +139,11 @@ def markdown(result):
     return '\n'.join(lines) + '\n'
 
 
-def main():
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--output', default=str(ROOT / 'benchmarks' / 'results'),
+                   help='folder of feature_store.{json,md} (default: %(default)s)')
+    out = Path(p.parse_args(argv).output)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     start = time.perf_counter()
@@ -147,7 +152,6 @@ def main():
         result = dict(bytes=[row for dim in (512, 768) for row in bytes_per_sample(tmp, dim, rng)],
                       loss=[row for dist in ('gaussian', 'outlier dims') for row in loss_errors(tmp, 512, dist, rng)])
     result['seconds'] = time.perf_counter() - start
-    out = ROOT / 'benchmarks' / 'results'
     out.mkdir(parents=True, exist_ok=True)
     (out / 'feature_store.json').write_text(json.dumps(result, indent=1))
     (out / 'feature_store.md').write_text(markdown(result))

@@ -202,7 +202,9 @@ def markdown(report):
         f"({report['device_name']}; {report['machine']}), "
         f"{report['threads']} threads, tile size {a['tile_size']}. "
         f"Memory: {report['memory_method']} (peak on top of the inputs). Time: median of {a['repeats']} "
-        f"step(s) after a warm-up step.",
+        f"step(s) after a warm-up step"
+        + (" (on a CPU the largest batch's is that one step alone: each takes minutes)."
+           if report['device'] != 'cuda' and len({r['batch'] for r in report['results']}) > 1 else "."),
         '',
         '| global batch | untiled GiB | tiled GiB | ClipLoss GiB | untiled/tiled mem | ClipLoss/tiled mem '
         '| untiled s | tiled s | ClipLoss s | tiled/untiled time | tiled/ClipLoss time |',

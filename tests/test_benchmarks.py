@@ -616,3 +616,12 @@ def test_temperature_defaults_trains_every_step_whatever_the_batch(tmp_path):
     assert len(taus) == 5  # 2 batches an epoch: 3 epochs, not the 2 of 5 × 4 samples over 10 pairs
     with pytest.raises(SystemExit, match='batch size 16 is larger than the 10 training pairs'):
         temperature_defaults.train(model, split, 'clip', {}, batch_size=16, steps=2, seed=0)
+
+
+@pytest.mark.parametrize('script', ['feature_store.py', 'evidence_summary.py'])
+def test_help_describes_a_script_without_running_it(script, tmp_path):
+    # feature_store.py took no flags: --help ran it and overwrote the committed results; evidence_summary.py read
+    # '--help' as its folder
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), '--help'], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith('usage:'), result.stderr[-1000:]
