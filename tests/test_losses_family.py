@@ -121,6 +121,9 @@ def test_drrho_paper_is_drrho_with_the_papers_three_flags():
     ('balanced', dict(temperature='auto'), "temperature 'auto' is chosen from the reference model's"),
     ('balanced', dict(temperature='auto', learn_temperature=False), "temperature 'auto' is chosen"),
     ('isogclr', dict(num_samples=10, target_negatives=0.0), 'target_negatives must be ≥ 1'),
+    ('tempnet', dict(num_samples=10, embed_dim=4, tempnet_prototypes=0), 'a number of prototypes of at least 1'),
+    ('tempnet', dict(num_samples=10, embed_dim=4, tempnet_width=0), 'a width and a number of prototypes'),
+    ('drrho', dict(num_samples=10, gamma_decay_epochs=-3), 'gamma_decay_epochs must be ≥ 1'),
     ('tempnet', dict(num_samples=10, embed_dim=4, target_negatives=-2.0), 'target_negatives must be ≥ 1'),
     ('drrho', dict(num_samples=10, temperature_optimizer='model', target_negatives=0.5), 'target_negatives must be'),
 ])

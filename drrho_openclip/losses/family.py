@@ -39,7 +39,7 @@ DRO_OPTIONS = dict(
     tau_max=1.0,
     **ESTIMATOR_TEMPERATURE_OPTIONS,
     epsilon=1e-14,             # ε in log(ε + g)
-    gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample state)
+    gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample u)
     gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
     tile_size=0,               # columns per tile of the tiled core (memory linear in the batch); 0: untiled
     state_layout='auto',       # per-sample tables replicated on every rank or sharded (auto: by their size)

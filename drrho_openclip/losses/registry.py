@@ -56,7 +56,7 @@ OPTION_HELP = dict(
     target_negatives="k, the effective negatives per anchor (exp of the entropy of its DRO weights) that an 'auto' "
                      "τ starts from and an 'auto' ρ keeps",
     epsilon="ε in τ·log(ε + g)",
-    gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample state)",
+    gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample u)",
     gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma",
     distill_weight="λ of the distillation from the reference model: (1−λ)·contrastive + λ·KD",
     reference_logit_scale="the reference model's logit scale t (KD teacher, JEST scores); 'auto': the t at which the "

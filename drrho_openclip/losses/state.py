@@ -188,6 +188,9 @@ class MovingAverageState(nn.Module):
 
     def __init__(self, gamma: float, gamma_decay_epochs: int, sharding: SampleSharding):
         super().__init__()
+        if not gamma_decay_epochs >= 1:
+            raise ValueError(f"gamma_decay_epochs must be ≥ 1 (γ is 1 in epoch 0 and reaches gamma from epoch "
+                             f"gamma_decay_epochs on), got {gamma_decay_epochs}")
         self.sharding = sharding
         self.gamma_min = gamma
         self.gamma_decay_epochs = gamma_decay_epochs

@@ -323,6 +323,9 @@ class TempNet(nn.Module):
         super().__init__()
         if not 0 < tau_min < tau_max:
             raise ValueError(f"need 0 < tau_min < tau_max, got {tau_min}, {tau_max}")
+        if width < 1 or prototypes < 1:
+            raise ValueError(f"TempNet needs a width and a number of prototypes of at least 1, got {width} and "
+                             f"{prototypes}")
         self.tau_min, self.tau_max = tau_min, tau_max
         self.transform = nn.Linear(embed_dim, width)
         self.dropout = dropout
