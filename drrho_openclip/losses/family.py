@@ -76,11 +76,11 @@ def _check_auto(o, name, low):
 
 
 def _check_number(o, name, what):
-    """`name` must be a number here: a loss that has no reference margins (or no global τ) to choose it from."""
+    """`name` must be a number here: 'auto' is for the DRO core's global τ learned by the loss's own Adam."""
     value = getattr(o, name)
     if value == AUTO:
-        raise ValueError(f"{name} '{AUTO}' is chosen from the reference model's margins for a global τ, which this "
-                         f"loss does not have: give a number ({what})")
+        raise ValueError(f"{name} '{AUTO}' is chosen from the reference model's margins for a global τ that the "
+                         f"loss's own Adam learns, which this loss does not have: give a number ({what})")
     if isinstance(value, str) or not value > 0:
         raise ValueError(f"{name} must be a number > 0 ({what}), got {value!r}")
 

@@ -50,9 +50,9 @@ def check_resumed_loss(loss, loss_name: str, args):
     if not args.resume or not os.path.isfile(args.resume):
         return
     if not trains(args):  # evaluating: no loss state is read, but the model's weights are, strictly
-        attached = [k for k in _checkpoint_of(args.resume).get('state_dict', {})
-                    if k.removeprefix('module.').startswith('loss_')]
-        if loss is None and attached:
+        attached = [] if loss is not None else [k for k in _checkpoint_of(args.resume).get('state_dict', {})
+                                                if k.removeprefix('module.').startswith('loss_')]
+        if attached:
             raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds modules a loss attached to the model "
                              f"({attached[0]}, ...: TempNet's, of --loss tempnet), which this run's model lacks: "
                              f"evaluate with the --loss flags it was trained with, or load it with --pretrained")
