@@ -118,8 +118,7 @@ def test_an_online_reference_reads_the_learners_batches_as_its_own(shapes, tmp_p
     checkpoint = tmp_path / 'ref.pt'
     torch.save(open_clip.create_model(f'local-dir:{reference_dir}').state_dict(), checkpoint)
     args = parse('--model', shapes['model'], '--loss', 'drrho', '--ref-model', f'local-dir:{reference_dir}',
-                 '--ref-pretrained',
-                 checkpoint, '--cache-dir', tmp_path / 'cache', '--precision', 'pure_bf16')
+                 '--ref-pretrained', checkpoint, '--cache-dir', tmp_path / 'cache', '--precision', 'pure_bf16')
     learner, _, learner_preprocess = open_clip.create_model_and_transforms(shapes['model'])
     reference = OnlineReference(learner, args, 'cpu')
     assert {p.dtype for p in reference.model.parameters()} == {torch.bfloat16}  # --precision pure_bf16
