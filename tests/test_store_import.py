@@ -117,7 +117,7 @@ def test_a_csv_store_keys_the_image_paths_row_by_row(shapes, tmp_path):
     assert precompute.main(['verify', tmp_path / 'ref', '--train-data', shapes['csv']]) == 0
 
 
-def test_a_csv_of_several_captions_per_image_imports_its_rows_in_order(shapes, tmp_path, capsys):
+def test_a_csv_of_several_captions_per_image_imports_its_rows_in_order(shapes, tmp_path):
     """COCO-like: the CSV repeats an image's path once per caption, so its rows, not its keys, say which features
     are whose: rows without keys (or keyed in the CSV's order) import; keys in another order cannot be matched."""
     lines = shapes['csv'].read_text().splitlines()
