@@ -3,6 +3,7 @@ names its shards. What the store's commands (precompute, import, verify) and the
 import logging
 import os
 from typing import Optional, Tuple
+from urllib.parse import urlparse
 
 import braceexpand
 import pandas as pd
@@ -62,10 +63,15 @@ def local_file_sizes(named_urls) -> dict:
 
 
 def missing_local_file(named_urls) -> Optional[str]:
-    """The first of the sources ([(name, url)]) that is a local path (not a URL nor a `pipe:` command) and not a
-    file, or None: found before any work, so that a mistyped shard range stops a run that would end at that shard."""
-    return next((url for _, url in named_urls
-                 if '://' not in url and not url.startswith('pipe:') and not os.path.isfile(url)), None)
+    """The first of the sources ([(name, url)]) that is a local file (a path, or a `file:` URL, as webdataset reads
+    them; not another URL nor a `pipe:` command) and does not exist, or None: found before any work, so that a
+    mistyped shard range stops a run that would end at that shard."""
+    for _, url in named_urls:
+        parsed = urlparse(url)
+        local = parsed.path if parsed.scheme == 'file' else url if parsed.scheme == '' else None
+        if local is not None and not os.path.isfile(local):
+            return url
+    return None
 
 
 def shard_name_collision(urls) -> Optional[Tuple[str, str]]:

@@ -142,6 +142,11 @@ def test_an_online_reference_reads_the_learners_batches_as_its_own(shapes, tmp_p
         OnlineReference(learner, args, 'cpu')
     assert captured['cache_dir'] == str(tmp_path / 'cache')  # a hub reference's weights come from --cache-dir
 
+    # the same statistics written as JSON lists (a local-dir: config) against OpenCLIP's tuples: nothing to map
+    config['preprocess_cfg'] = {k: list(learner.visual.preprocess_cfg[k]) for k in ('mean', 'std')}
+    (reference_dir / 'open_clip_config.json').write_text(json.dumps(config))
+    assert OnlineReference(learner, args, 'cpu').renormalize is None
+
     forced = open_clip.create_model(shapes['model'], force_image_size=48)
     with pytest.raises(ValueError, match=r"has image_size \(32, 32\), the learner \(48, 48\) \(with --force-\* flags "
                                          r"applied\): it cannot read the learner's batches"):

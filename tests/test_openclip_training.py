@@ -79,8 +79,10 @@ def test_a_checkpoint_is_evaluated_without_training_data(shapes, tmp_path):
         assert 'image_to_text_R@1' in result.stdout + result.stderr
     result = evaluate('plain', tmp_path / 'sogclr' / 'checkpoints' / 'epoch_1.pt')  # its loss state is not read
     assert 'image_to_text_R@1' in result.stdout + result.stderr
-    result = evaluate('tempnet_plain', tmp_path / 'tempnet' / 'checkpoints' / 'epoch_1.pt', check=False)
-    assert result.returncode != 0 and "holds modules a loss attached to the model (loss_temperature." in result.stderr
+    for name, loss in (('tempnet_plain', ()), ('tempnet_as_sogclr', loss_args(shapes, 'sogclr'))):
+        result = evaluate(name, tmp_path / 'tempnet' / 'checkpoints' / 'epoch_1.pt', *loss, check=False)
+        assert result.returncode != 0 and ("holds the model of a loss that attached loss_temperature to it (TempNet's: "
+                                           "--loss tempnet)") in result.stderr
 
 
 @pytest.mark.parametrize('name', ['drrho', 'isogclr', 'tempnet'])

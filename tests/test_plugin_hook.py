@@ -52,6 +52,16 @@ def test_loss_flag_is_the_plugin_flag_not_an_abbreviation():
     assert args.learn_temperature is False and args.temperature == 0.01  # the paper's main setting
 
 
+def test_jest_is_checked_against_the_super_batch_it_selects_from(capsys):
+    """Under --accum-freq OpenCLIP hands the loss the whole window: JEST selects from batch × accum_freq rows."""
+    from open_clip_train.params import parse_args
+    assert parse_args(['--loss', 'jest', '--ref-model', 'RN50', '--batch-size', '4', '--accum-freq', '4']).loss == 'jest'
+    with pytest.raises(SystemExit):
+        parse_args(['--loss', 'jest', '--ref-model', 'RN50', '--batch-size', '2', '--accum-freq', '2'])
+    assert ('JEST keeps 1 of a super-batch of 4 per rank, fewer than 2: raise --batch-size or the selection ratio, or '
+            'use fewer chunks (the super-batch is --batch-size × --accum-freq)') in capsys.readouterr().err
+
+
 def test_help_documents_every_plugin_flag():
     result = subprocess.run([sys.executable, '-m', 'open_clip_train.main', '--help'], capture_output=True, text=True)
     assert result.returncode == 0

@@ -13,6 +13,7 @@ import torch
 
 from conftest import ENV
 from drrho_openclip import precompute
+from drrho_openclip.data import missing_local_file
 from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreWriter
 
 SIZES = (7, 9, 5, 11, 8)  # samples per tar shard: uneven, so parts differ in size
@@ -207,6 +208,11 @@ def test_what_would_stop_precompute_later_stops_it_before_a_store_is_started(sha
         assert not out.exists() and not (tmp_path / 'ref.partial').exists()
     with pytest.raises(SystemExit, match=re.escape(f"import: --train-data: no such file '{tmp_path / 'x.csv'}'")):
         precompute.main(['import', tmp_path, '--train-data', tmp_path / 'x.csv', '--output', out])
+    # what webdataset reads besides paths: file: URLs are checked as paths, remote URLs and pipes left to it
+    shard = shards['root'] / 'part-0.tar'
+    assert missing_local_file([('a', f'file:{shard}'), ('b', f'file://{shard}'), ('c', 's3://bucket/x.tar'),
+                               ('d', 'pipe:curl -s https://host/x.tar')]) is None
+    assert missing_local_file([('a', f'file:{tmp_path}/none.tar')]) == f'file:{tmp_path}/none.tar'
 
 
 def test_parts_that_end_together_finish_the_store_once(tmp_path):

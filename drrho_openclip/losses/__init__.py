@@ -21,14 +21,15 @@ from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERAT
                        register_loss)
 from .state import STATE_LAYOUTS, MovingAverageState, load_state_shards, per_sample_tables, save_state_shards
 from .temperatures import (FixedTemperature, LearnedTemperature, LogitScaleTemperature, PerSampleTemperature,
-                           TempNetTemperature, attach_to_model, effective_negatives, reference_margins, rho_for_batch,
-                           temperature_for_effective_negatives)
+                           TempNetTemperature, attach_to_model, attached_names, effective_negatives, reference_margins,
+                           rho_for_batch, temperature_for_effective_negatives)
 from .tiled import DEFAULT_TILE_SIZE
 from . import family  # noqa: F401 - registers the named losses
 
 __all__ = [
     'DROContrastiveLoss', 'compiles_for', 'FixedTemperature', 'LearnedTemperature', 'LogitScaleTemperature',
-    'MovingAverageState', 'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'per_sample_tables',
+    'MovingAverageState', 'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'attached_names',
+    'per_sample_tables',
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',
     'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'load_state_shards', 'save_state_shards',
     'AUTO', 'OPTION_HELP', 'OPTION_TYPES', 'TAU_OBJECTIVES', 'TEMPERATURE_OPTIMIZERS', 'create_loss', 'float_or_auto',

@@ -324,8 +324,7 @@ class TempNet(nn.Module):
         if not 0 < tau_min < tau_max:
             raise ValueError(f"need 0 < tau_min < tau_max, got {tau_min}, {tau_max}")
         if width < 1 or prototypes < 1:
-            raise ValueError(f"TempNet needs a width and a number of prototypes of at least 1, got {width} and "
-                             f"{prototypes}")
+            raise ValueError(f"tempnet_width and tempnet_prototypes must be at least 1, got {width} and {prototypes}")
         self.tau_min, self.tau_max = tau_min, tau_max
         self.transform = nn.Linear(embed_dim, width)
         self.dropout = dropout
@@ -371,9 +370,13 @@ def attach_to_model(model: nn.Module, loss: nn.Module) -> list:
     """Make the loss's learnable submodules (TempNet's) submodules of `model`, named `loss_<name>`, so that
     OpenCLIP's optimiser, DDP and checkpoints (model.state_dict()) include them. Call it before the optimiser is
     built, before DDP wraps the model and before a checkpoint is loaded. Returns the names it attached."""
-    names = []
-    for name, module in loss.named_children():
-        if any(p.requires_grad for p in module.parameters()):
-            model.add_module(f'loss_{name}', module)
-            names.append(f'loss_{name}')
+    names = attached_names(loss)
+    for name in names:
+        model.add_module(name, getattr(loss, name.removeprefix('loss_')))
     return names
+
+
+def attached_names(loss: nn.Module) -> list:
+    """The names under which `attach_to_model` attaches the loss's learnable submodules to the model."""
+    return [f'loss_{name}' for name, module in loss.named_children()
+            if any(p.requires_grad for p in module.parameters())]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..losses import load_state_shards, per_sample_tables, save_state_shards
+from ..losses import attached_names, load_state_shards, per_sample_tables, save_state_shards
 from .flags import trains
 from .run import Run
 
@@ -50,12 +50,14 @@ def check_resumed_loss(loss, loss_name: str, args):
     if not args.resume or not os.path.isfile(args.resume):
         return
     if not trains(args):  # evaluating: no loss state is read, but the model's weights are, strictly
-        attached = [] if loss is not None else [k for k in _checkpoint_of(args.resume).get('state_dict', {})
-                                                if k.removeprefix('module.').startswith('loss_')]
-        if attached:
-            raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds modules a loss attached to the model "
-                             f"({attached[0]}, ...: TempNet's, of --loss tempnet), which this run's model lacks: "
-                             f"evaluate with the --loss flags it was trained with, or load it with --pretrained")
+        saved = {k.removeprefix('module.').split('.')[0] for k in _checkpoint_of(args.resume).get('state_dict', {})}
+        saved = {name for name in saved if name.startswith('loss_')}
+        own = set(attached_names(loss)) if loss is not None else set()
+        if saved != own:
+            raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the model of a loss that attached "
+                             f"{', '.join(sorted(saved)) or 'no modules'} to it (TempNet's: --loss tempnet), this run's "
+                             f"--loss {loss_name} {', '.join(sorted(own)) or 'none'}: evaluate with the --loss flags it "
+                             f"was trained with")
         return
     saved = _loss_state_of(args.resume) or {}
     own = set(loss.state_dict()) if loss is not None else set()

@@ -191,11 +191,12 @@ def check_args(args, parser) -> Run:
     except ValueError as e:
         parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
     keeps_state = bool(per_sample_tables(loss))
-    if hasattr(loss, 'chunk_sizes'):  # JEST: what it keeps of a rank's batch must fill every chunk
-        try:
-            loss.chunk_sizes(args.batch_size)
+    if hasattr(loss, 'chunk_sizes'):  # JEST: what it keeps of a rank's super-batch must fill every chunk
+        try:  # under accumulation OpenCLIP hands the loss the whole window
+            loss.chunk_sizes(args.batch_size * args.accum_freq)
         except ValueError as e:
-            parser.error(f"--loss {args.loss}: {e}")
+            parser.error(f"--loss {args.loss}: {e}" + (f" (the super-batch is --batch-size × --accum-freq)"
+                                                       if args.accum_freq > 1 else ""))
     if getattr(args, 'torchscript', False) and any(p.requires_grad for p in loss.parameters()):
         parser.error(f"--torchscript: --loss {args.loss} attaches its learnable modules (TempNet's) to the model, "
                      f"which a scripted model cannot take; drop --torchscript")

@@ -49,7 +49,12 @@ def _sizes(model) -> dict:
     context length and vocabulary."""
     size = model.visual.image_size
     return {'image_size': tuple(size) if isinstance(size, (tuple, list)) else (size, size),
-            'context_length': model.context_length, 'vocab_size': model.vocab_size}
+            'context_length': model.context_length, 'vocab_size': getattr(model, 'vocab_size', None)}
+
+
+def _same_values(a, b) -> bool:
+    """Per-channel statistics alike, whether given as tuples (OpenCLIP's defaults) or lists (JSON configs)."""
+    return tuple(map(float, a)) == tuple(map(float, b))
 
 
 class OnlineReference:
@@ -69,7 +74,7 @@ class OnlineReference:
                                  f"features with drrho-openclip-features")
         self.renormalize = None
         learner_cfg, cfg = learner.visual.preprocess_cfg, self.model.visual.preprocess_cfg
-        if (learner_cfg['mean'], learner_cfg['std']) != (cfg['mean'], cfg['std']):
+        if not all(_same_values(learner_cfg[k], cfg[k]) for k in ('mean', 'std')):
             channel = dict(device=device, dtype=torch.float32)
             mean, std = (torch.tensor(cfg[k], **channel).view(1, -1, 1, 1) for k in ('mean', 'std'))
             learner_mean, learner_std = (torch.tensor(learner_cfg[k], **channel).view(1, -1, 1, 1)
