@@ -62,6 +62,13 @@ def test_jest_is_checked_against_the_super_batch_it_selects_from(capsys):
             'use fewer chunks (the super-batch is --batch-size × --accum-freq)') in capsys.readouterr().err
 
 
+def test_an_evaluation_run_reuses_the_training_commands_flags():
+    # no --train-data: OpenCLIP only evaluates, so the training data's sample index is neither needed nor read
+    from open_clip_train.params import parse_args
+    args = parse_args(['--loss', 'sogclr', '--gamma', '0.5', '--val-data', 'val.csv', '--sample-index', 'keys/'])
+    assert args.loss == 'sogclr'
+
+
 def test_help_documents_every_plugin_flag():
     result = subprocess.run([sys.executable, '-m', 'open_clip_train.main', '--help'], capture_output=True, text=True)
     assert result.returncode == 0

@@ -251,6 +251,8 @@ def _check_sample_index(args, parser, keeps_state: bool, reads_reference: bool):
     """The --sample-index store, opened, if one is given (and needed). The dense sample index of a loss with
     per-sample state: CSV rows and the synthetic dataset's are their own; WebDataset samples are indexed by the keys
     of a store, --ref-features' or --sample-index's."""
+    if not trains(args):
+        return None  # evaluating: nothing is indexed (a training command reused for evaluation may still name one)
     kind = input_kind(args.train_data, args.dataset_type)
     webdataset = args.train_data is not None and kind == 'webdataset'
     if args.sample_index is None:
