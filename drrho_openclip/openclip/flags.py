@@ -195,7 +195,7 @@ def check_args(args, parser) -> Run:
         try:  # under accumulation OpenCLIP hands the loss the whole window
             loss.chunk_sizes(args.batch_size * args.accum_freq)
         except ValueError as e:
-            parser.error(f"--loss {args.loss}: {e}" + (f" (the super-batch is --batch-size × --accum-freq)"
+            parser.error(f"--loss {args.loss}: {e}" + (" (the super-batch is --batch-size × --accum-freq)"
                                                        if args.accum_freq > 1 else ""))
     if getattr(args, 'torchscript', False) and any(p.requires_grad for p in loss.parameters()):
         parser.error(f"--torchscript: --loss {args.loss} attaches its learnable modules (TempNet's) to the model, "
