@@ -142,8 +142,8 @@ def _key(key) -> str:
 def in_data_order(name: str, file, keys, image, text, data_keys, undecodable=None, rows_are_index=False):
     """(image rows, text rows, their keys) in the order of the shard's samples `data_keys`; every mismatch between
     the input's keys (None: the rows are in data order) and the data is an error naming the file, shard and key.
-    `undecodable(keys)`, the subset of a WebDataset shard's samples whose image cannot be decoded: precompute and
-    training leave them out, so an input may lack them. With `rows_are_index` (a CSV, whose image paths repeat for
+    `undecodable(name, keys)`, the subset of a WebDataset shard's samples whose image cannot be decoded: precompute
+    and training leave them out, so an input may lack them. With `rows_are_index` (a CSV, whose image paths repeat for
     an image with several captions) keys may repeat, and keyed rows must then come in the CSV's order."""
     image, text = np.asarray(image, dtype=np.float32), np.asarray(text, dtype=np.float32)
     where = f"input '{file}', shard '{name}'"
@@ -154,7 +154,7 @@ def in_data_order(name: str, file, keys, image, text, data_keys, undecodable=Non
     if keys is None or (repeated and list(keys) == list(data_keys)):
         if len(image) == len(text) == len(data_keys):
             return image, text, list(data_keys)
-        left_out = undecodable(data_keys) if undecodable and len(image) < len(data_keys) else set()
+        left_out = undecodable(name, data_keys) if undecodable and len(image) < len(data_keys) else set()
         decodable = [k for k in data_keys if k not in left_out]
         if left_out and len(image) == len(text) == len(decodable):
             _warn_left_out(where, left_out)
@@ -179,7 +179,7 @@ def in_data_order(name: str, file, keys, image, text, data_keys, undecodable=Non
     if foreign:
         raise FeatureStoreError(f"{where}: {len(foreign)} keys are not samples of the data, e.g. '{foreign[0]}'")
     absent = [k for k in data_keys if k not in row_of]
-    left_out = undecodable(absent) if absent and undecodable else set()
+    left_out = undecodable(name, absent) if absent and undecodable else set()
     absent = [k for k in absent if k not in left_out]
     if absent:
         raise FeatureStoreError(f"{where}: {len(absent)} samples of the data have no features, e.g. '{absent[0]}'")
@@ -235,9 +235,8 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
         for name, keys in tqdm(data_keys.items(), unit='shard', desc='import', disable=not progress):
             files = inputs[name]
             file_keys, image, text = read_features(files)
-            image, text, keys = in_data_order(
-                name, files[0], file_keys, image, text, keys, rows_are_index=rows_are_index,
-                undecodable=undecodable and (lambda wanted, shard=name: undecodable(shard, wanted)))
+            image, text, keys = in_data_order(name, files[0], file_keys, image, text, keys, undecodable=undecodable,
+                                              rows_are_index=rows_are_index)
             if normalize:
                 image, text = normalized(name, keys, image), normalized(name, keys, text)
             if dim is not None and image.shape[1] != dim:
