@@ -59,16 +59,22 @@ def sources(args):
 def local_file_sizes(named_urls) -> dict:
     """{shard name: size in bytes} of the WebDataset shards ([(name, url)]) that are local files: recorded in a store
     so that training can tell another dataset's shard of the same name (and keys) from the one it was written for."""
-    return {name: os.path.getsize(url) for name, url in named_urls if os.path.isfile(url)}
+    local = ((name, local_path(url)) for name, url in named_urls)
+    return {name: os.path.getsize(path) for name, path in local if path is not None and os.path.isfile(path)}
+
+
+def local_path(url: str) -> Optional[str]:
+    """The local file a shard URL names, as webdataset reads it (a path, or a `file:` URL), or None for another URL
+    or a `pipe:` command."""
+    parsed = urlparse(url)
+    return parsed.path if parsed.scheme == 'file' else url if parsed.scheme == '' else None
 
 
 def missing_local_file(named_urls) -> Optional[str]:
-    """The first of the sources ([(name, url)]) that is a local file (a path, or a `file:` URL, as webdataset reads
-    them; not another URL nor a `pipe:` command) and does not exist, or None: found before any work, so that a
-    mistyped shard range stops a run that would end at that shard."""
+    """The first of the sources ([(name, url)]) that is a local file and does not exist, or None: found before any
+    work, so that a mistyped shard range stops a run that would end at that shard."""
     for _, url in named_urls:
-        parsed = urlparse(url)
-        local = parsed.path if parsed.scheme == 'file' else url if parsed.scheme == '' else None
+        local = local_path(url)
         if local is not None and not os.path.isfile(local):
             return url
     return None

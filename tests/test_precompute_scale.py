@@ -13,7 +13,7 @@ import torch
 
 from conftest import ENV
 from drrho_openclip import precompute
-from drrho_openclip.data import missing_local_file
+from drrho_openclip.data import local_file_sizes, missing_local_file
 from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreWriter
 
 SIZES = (7, 9, 5, 11, 8)  # samples per tar shard: uneven, so parts differ in size
@@ -213,6 +213,19 @@ def test_what_would_stop_precompute_later_stops_it_before_a_store_is_started(sha
     assert missing_local_file([('a', f'file:{shard}'), ('b', f'file://{shard}'), ('c', 's3://bucket/x.tar'),
                                ('d', 'pipe:curl -s https://host/x.tar')]) is None
     assert missing_local_file([('a', f'file:{tmp_path}/none.tar')]) == f'file:{tmp_path}/none.tar'
+
+
+def test_a_file_url_shard_has_its_size_recorded_and_checked_as_a_path_does(tmp_path):
+    from types import SimpleNamespace
+    from drrho_openclip.openclip.flags import _shard_size_warning
+    shard = tmp_path / 'part-0.tar'
+    shard.write_bytes(bytes(10240))
+    assert local_file_sizes([('part-0', f'file:{shard}'), ('part-1', 'pipe:cat x.tar'), ('part-2', 's3://b/x.tar')]
+                            ) == {'part-0': 10240}
+    store = SimpleNamespace(shard=lambda name: SimpleNamespace(source_bytes=20480))  # written from a larger shard
+    for url in (str(shard), f'file:{shard}', f'file://{shard}'):
+        warning = _shard_size_warning('ref_features', store, [url], url)
+        assert warning and f"'{url}': 10240 bytes here, 20480 there" in warning
 
 
 def test_parts_that_end_together_finish_the_store_once(tmp_path):

@@ -7,7 +7,7 @@ import shutil
 import textwrap
 from typing import Optional
 
-from ..data import input_kind, shard_name_collision, shard_urls
+from ..data import input_kind, local_path, shard_name_collision, shard_urls
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -318,9 +318,11 @@ def _shard_size_warning(option: str, store: FeatureStore, urls, train_data: str)
     checked |= {shard_urls(source)[0] for source in train_data.split('::')}
     differ = []  # (url, its size, the size of the file the store was written from)
     for url in sorted(checked):
-        written_from = store.shard(shard_name(url)).source_bytes
-        if written_from is not None and os.path.isfile(url) and os.path.getsize(url) != written_from:
-            differ.append((url, os.path.getsize(url), written_from))
+        written_from, local = store.shard(shard_name(url)).source_bytes, local_path(url)
+        if written_from is not None and local is not None and os.path.isfile(local):
+            size = os.path.getsize(local)
+            if size != written_from:
+                differ.append((url, size, written_from))
     if not differ:
         return None
     url, size, written_from = differ[0]
