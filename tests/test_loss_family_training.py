@@ -74,8 +74,9 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     (('--loss', 'fastclip', '--model', 'coca_ViT-B-32'), 'a CoCa model trains with a captioning loss as well'),
     (('--loss', 'sogclr', '--horovod'), '--horovod: --loss sogclr communicates through torch.distributed'),
     (('--loss', 'tempnet', '--torchscript'), "--torchscript: --loss tempnet attaches its learnable modules"),
-    (('--loss', 'jest', '--ref-model', 'x', '--num-chunks', '1000'), 'JEST keeps 2 of a super-batch of 8 per rank, '
-                                                                     'fewer than 1000'),
+    (('--loss', 'jest', '--ref-model', 'x', '--num-chunks', '3'), 'JEST keeps 2 of a super-batch of 8 per rank, '
+                                                                  'fewer than 3'),
+    (('--loss', 'jest', '--ref-model', 'x', '--num-chunks', '1000'), "JEST's --num-chunks must be 1 to 64, got 1000"),
     # OpenCLIP ignores a local-dir: model's pretrained: a mistyped checkpoint path left a random reference
     (('--loss', 'drrho', '--ref-model', 'local-dir:/models/ref', '--ref-pretrained', '/models/ref/epoch_20.pt'),
      "--ref-pretrained: '/models/ref/epoch_20.pt' is not a file, and a local-dir: model loads its weights from a "

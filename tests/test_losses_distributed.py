@@ -66,8 +66,6 @@ def run(scenario, rank, world_size):
     loss.load_state_dict(create_loss(name, **options).double().state_dict())  # same TempNet
     if hasattr(loss, 'set_total_steps'):
         loss.set_total_steps(len(epochs))  # as a training run does (a learned τ's lr_tau 'auto')
-    if name.startswith('jest'):
-        loss.generator = torch.Generator().manual_seed(100 + rank)
     rows = slice(rank * B, (rank + 1) * B) if world_size > 1 else slice(None)
     params = list(loss.parameters())
     steps = []
@@ -124,8 +122,11 @@ def test_jest_selection_is_global(distributed, scenario):
     name, options, _ = SCENARIOS[scenario]
     image, text, ref_image, ref_text, _ = full_batch(0)
     ranks = [tuple(x[r * B:(r + 1) * B] for x in (image, text, ref_image, ref_text)) for r in range(WORLD)]
+    # each rank's noise: its loss's first draws (keyed by rank, so the ranks' differ)
+    noises = [lambda chunk, r=r: create_loss(name, rank=r, world_size=WORLD, **options)._gumbel(
+        torch.zeros(B, dtype=torch.float64), chunk) for r in range(WORLD)]
     selected = jest_reference(ranks, 15.0, 100.0, options['selection_ratio'], options['num_chunks'],
-                              name == 'jest-topk', [torch.Generator().manual_seed(100 + r) for r in range(WORLD)])
+                              name == 'jest-topk', noises)
     rows = torch.tensor([r * B + i for r in range(WORLD) for i in selected[r]])
     image, text = image.requires_grad_(), text.requires_grad_()
     logit_scale = torch.tensor(15.0, dtype=torch.float64, requires_grad=True)

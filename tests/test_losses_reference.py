@@ -503,10 +503,11 @@ def test_balanced(k, with_ref):
 # JEST (seed 001 §6.2, C.2)
 
 
-def jest_reference(ranks, s, t, ratio, chunks, topk, generators):
+def jest_reference(ranks, s, t, ratio, chunks, topk, noises):
     """Per-rank draws, conditioned on the global selection so far. Learnability of candidate i given S:
     chunk 1: d_i = t s^ref_ii − s s_ii; later: ½ Σ_dir [(−L_ii + lse_{j∈S} L_ij) − (−R_ii + lse_{j∈S} R_ij)].
-    A draw without replacement ∝ exp(score) is the top of score + Gumbel noise (from each rank's generator)."""
+    A draw without replacement ∝ exp(score) is the top of score + Gumbel noise (noises[rank](chunk): the b draws of
+    that rank's chunk; that they are Gumbel is test_jest_first_chunk_draws_by_softmax's)."""
     b = len(ranks[0][0])
     n_select = round(b * ratio)
     sizes = [len(c) for c in torch.arange(n_select).tensor_split(chunks)]
@@ -525,7 +526,7 @@ def jest_reference(ranks, s, t, ratio, chunks, topk, generators):
                                            + (lse(s, text[i], 0) - lse(t, ref_text[i], 2)))
                 scores[i] = -math.inf if i in selected[r] else score
             if chunk == 0 or not topk:
-                scores = scores - torch.log(-torch.log(torch.rand(b, generator=generators[r], **F64)))
+                scores = scores + noises[r](chunk)
             selected[r] += scores.topk(size).indices.tolist()
     return selected
 
@@ -538,14 +539,14 @@ def test_jest_selection_and_loss(name, chunks):
     image, text, ref_image, ref_text = batch(g, n)
     logit_scale = torch.tensor(20.0, **F64, requires_grad=True)
     loss = create_loss(name, selection_ratio=ratio, num_chunks=chunks, reference_logit_scale=teacher)
-    loss.generator = torch.Generator().manual_seed(10)
+    twin = create_loss(name, selection_ratio=ratio, num_chunks=chunks, reference_logit_scale=teacher)
+    want_rows = jest_reference([(image.detach(), text.detach(), ref_image, ref_text)], 20.0, teacher, ratio, chunks,
+                               name == 'jest-topk', [lambda chunk: twin._gumbel(torch.zeros(n, **F64), chunk)])[0]
+    assert len(want_rows) == 6
+    assert loss.select(image, text, logit_scale, ref_image, ref_text).tolist() == want_rows
+    loss.selections.zero_()  # the loss's own call draws the same noise again
     out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text,
                output_dict=True)['contrastive_loss']
-    want_rows = jest_reference([(image.detach(), text.detach(), ref_image, ref_text)], 20.0, teacher, ratio, chunks,
-                               name == 'jest-topk', [torch.Generator().manual_seed(10)])[0]
-    assert len(want_rows) == 6
-    loss.generator = torch.Generator().manual_seed(10)
-    assert loss.select(image, text, logit_scale, ref_image, ref_text).tolist() == want_rows
     want = clip_reference(image[want_rows], text[want_rows], logit_scale)
     assert_close(out, want)
     wrt = (image, text, logit_scale)
@@ -560,8 +561,7 @@ def test_jest_first_chunk_draws_by_softmax():
     n, draws = 6, 4000
     g = torch.Generator().manual_seed(11)
     image, text, ref_image, ref_text = (x.detach() for x in batch(g, n))
-    loss = create_loss('jest', selection_ratio=2 / n, num_chunks=1, reference_logit_scale=3.0)
-    loss.generator = torch.Generator().manual_seed(12)
+    loss = create_loss('jest', selection_ratio=2 / n, num_chunks=1, reference_logit_scale=3.0)  # new noise per call
     d = 3.0 * (ref_image * ref_text).sum(1) - 2.0 * (image * text).sum(1)
     p = torch.softmax(d, 0)
     # P(i among 2 draws without replacement) = p_i + Σ_{j≠i} p_j p_i / (1 − p_j)
@@ -574,3 +574,34 @@ def test_jest_first_chunk_draws_by_softmax():
     linear_inclusion = linear + torch.stack([sum(linear[j] * linear[i] / (1 - linear[j]) for j in range(n) if j != i)
                                              for i in range(n)])
     assert (inclusion - linear_inclusion).abs().max() > 0.1  # the test tells the two apart
+
+
+def test_jest_resumes_its_draws_exactly_whatever_the_global_rng():
+    """OpenCLIP reseeds torch's global RNG at every start: JEST's noise is keyed by its checkpointed count of
+    selections (and the run's seed and rank), so a resumed loss selects as the uninterrupted one does, instead of
+    replaying the draws of the run's first steps."""
+    g = torch.Generator().manual_seed(13)
+    batches = [tuple(x.detach() for x in batch(g, 40)) for _ in range(4)]
+    options = dict(selection_ratio=0.25, num_chunks=2, reference_logit_scale=1.0)  # scales at which the noise counts
+
+    def selections(loss, steps):
+        return [loss.select(image, text, 1.0, ref_image, ref_text).tolist()
+                for image, text, ref_image, ref_text in steps]
+
+    torch.manual_seed(0)
+    uninterrupted = create_loss('jest', seed=5, **options)
+    selections(uninterrupted, batches[:2])
+    state = {key: value.clone() for key, value in uninterrupted.state_dict().items()}  # as a checkpoint holds it
+    later = selections(uninterrupted, batches[2:])
+    torch.manual_seed(0)  # the restart's
+    resumed = create_loss('jest', seed=5, **options)
+    resumed.load_state_dict(state)
+    assert selections(resumed, batches[2:]) == later
+
+    def first_noise(**run):
+        return create_loss('jest', **options, **run)._gumbel(torch.zeros(40, **F64), 0)
+    noise = first_noise(seed=5)
+    assert torch.equal(noise, first_noise(seed=5))
+    for other in (first_noise(seed=6), first_noise(seed=5, rank=1), create_loss('jest', seed=5, **options)._gumbel(
+            torch.zeros(40, **F64), 1)):
+        assert not torch.isclose(noise, other).any()  # another run, rank or chunk: other draws

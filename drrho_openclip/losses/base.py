@@ -1,6 +1,21 @@
 """What the losses share beyond their arithmetic: where reference features come from, how the last call's
-diagnostics reach the training loop's logger, and how a later call of an accumulation window leaves τ alone."""
+diagnostics reach the training loop's logger, how a later call of an accumulation window leaves τ alone, and draws
+that resume exactly."""
 import torch
+
+
+def mix64(keys: torch.Tensor) -> torch.Tensor:
+    """A 64-bit hash of int64 keys (xorshift-multiply mixing, wrapping in int64): distinct keys, unrelated values."""
+    for multiplier in (0x5851F42D4C957F2D, 0x14057B7EF767814F):
+        keys = (keys ^ (keys >> 29)) * multiplier
+    return keys
+
+
+def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
+    """One float64 draw in [0, 1) per int64 key, a function of the key alone: the same whichever rank, step or
+    restart makes it, so a run resumes exactly without a generator state to checkpoint (and without touching the
+    global RNG that OpenCLIP reseeds at every start)."""
+    return ((mix64(keys) >> 11) & ((1 << 52) - 1)).to(torch.float64) / float(1 << 52)
 
 
 def keep_in_graph(value: torch.Tensor, *tensors) -> torch.Tensor:

@@ -329,11 +329,11 @@ JEST_OPTIONS = dict(selection_ratio=0.2, num_chunks=2, reference_logit_scale=AUT
 
 def _jest(o, topk):
     return JESTLoss(o.selection_ratio, o.num_chunks, topk, o.reference_logit_scale, local_loss=o.local_loss,
-                    gather_with_grad=o.gather_with_grad, rank=o.rank, world_size=o.world_size)
+                    gather_with_grad=o.gather_with_grad, seed=o.seed, rank=o.rank, world_size=o.world_size)
 
 
 @register_loss(
-    'jest', reference='required', defaults=JEST_OPTIONS, run_options=CLIP,
+    'jest', reference='required', defaults=JEST_OPTIONS, run_options=(*CLIP, 'seed'),
     help="JEST: CLIP's loss on the most learnable selection_ratio of the super-batch (learner minus reference "
          "loss), drawn in num_chunks conditioned chunks (Evans et al., 2024)")
 def jest(o):
@@ -341,7 +341,7 @@ def jest(o):
 
 
 @register_loss(
-    'jest-topk', reference='required', defaults=JEST_OPTIONS, run_options=CLIP,
+    'jest-topk', reference='required', defaults=JEST_OPTIONS, run_options=(*CLIP, 'seed'),
     help="JEST (top-k): as jest, but chunks after the first take the most learnable candidates instead of drawing")
 def jest_topk(o):
     return _jest(o, topk=True)

@@ -18,6 +18,9 @@ so survives scores spanning thousands. JEST (top-k) takes the top scores without
 Distributed: every rank draws its share of each chunk from its own rows (all ranks then hold equal sub-batches,
 as CLIP's gathered loss needs); the set S that later chunks condition on is the global one, gathered after every
 chunk (the official code needed torch.distributed even on one process; here one process just skips the gather).
+The Gumbel noise is a hash of (seed, rank, selection count, chunk, row), not a draw from torch's global RNG, which
+OpenCLIP reseeds at every start: the count is the loss's state, checkpointed, so a resumed run selects as the
+uninterrupted one does.
 
 Called as a loss, it receives the super-batch's features (with gradient) and backpropagates CLIP's loss through
 the selected rows only; the encoders' backward still runs over the whole super-batch (with zero gradients for the
@@ -27,23 +30,28 @@ samples with gradient, and apply `self.clip` (CLIP's loss with OpenCLIP's semant
 import torch
 from torch import nn
 
-from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph
+from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph, keyed_uniform, mix64
 from .clip import ClipLoss
 from .collectives import gather_batch
 from .distill import TeacherLogitScale
 from .precision import at_least_float32
 
 
+# a draw's key packs (selection count, chunk, row): distinct for every draw of a run on one rank
+ROW_BITS, CHUNK_BITS = 24, 6
+MAX_CHUNKS = 1 << CHUNK_BITS
+
+
 class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     def __init__(self, selection_ratio: float = 0.2, num_chunks: int = 2, topk: bool = False,
                  reference_logit_scale='auto', local_loss: bool = True, gather_with_grad: bool = True,
-                 rank: int = 0, world_size: int = 1):
+                 seed: int = 0, rank: int = 0, world_size: int = 1):
         super().__init__()
         if not 0 < selection_ratio <= 1:
             raise ValueError(f"JEST's selection ratio must be in (0, 1], got {selection_ratio}")
-        if num_chunks < 1:
-            raise ValueError(f"JEST needs at least one chunk, got {num_chunks}")
+        if not 1 <= num_chunks <= MAX_CHUNKS:
+            raise ValueError(f"JEST's num_chunks must be 1 to {MAX_CHUNKS}, got {num_chunks}")
         self.selection_ratio = selection_ratio
         self.num_chunks = num_chunks
         self.topk = topk
@@ -51,7 +59,9 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         self.world_size = world_size
         self.clip = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad, rank=rank,
                              world_size=world_size)
-        self.generator = None  # a torch.Generator for the draws; None: torch's global RNG
+        # the selections made so far, a key of every draw's noise; the seed and rank key this run's and rank's
+        self.register_buffer('selections', torch.zeros((), dtype=torch.int64))
+        self._stream = mix64(torch.tensor(((seed % (1 << 31)) << 32) + rank)).item()
         self._window = None  # the accumulation window's selection
         self._last = {}
 
@@ -64,10 +74,14 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                              f"chunks")
         return [len(c) for c in torch.arange(selected).tensor_split(self.num_chunks)]
 
-    def _gumbel(self, scores):
-        uniform = torch.rand(scores.shape, generator=self.generator, dtype=scores.dtype,
-                             device='cpu' if self.generator is not None else scores.device)
-        return -torch.log(-torch.log(uniform.to(scores.device)))
+    def _gumbel(self, scores, chunk: int):
+        """Gumbel noise for this rank's rows in `chunk` of the current selection."""
+        if len(scores) > 1 << ROW_BITS:
+            raise ValueError(f"JEST draws for at most {1 << ROW_BITS} rows per rank, got {len(scores)}")
+        rows = torch.arange(len(scores), device=scores.device)
+        keys = (self.selections << (ROW_BITS + CHUNK_BITS)) + (chunk << ROW_BITS) + rows + self._stream
+        uniform = keyed_uniform(keys) + 2.0 ** -53  # in (0, 1): both logs finite
+        return -torch.log(-torch.log(uniform)).to(scores.dtype)
 
     @torch.no_grad()
     def select(self, image_features, text_features, logit_scale, ref_image_features, ref_text_features):
@@ -85,7 +99,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         for chunk, size in enumerate(sizes):
             scores = diagonal if chunk == 0 else diagonal + (lse[0] - lse[2] + lse[1] - lse[3]) / 2
             if chunk == 0 or not self.topk:
-                scores = scores + self._gumbel(scores)
+                scores = scores + self._gumbel(scores, chunk)
             pick = scores.masked_fill(~available, float('-inf')).topk(size).indices
             available[pick] = False
             picks.append(pick)
@@ -99,6 +113,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                     (s * image @ new_text.T).logsumexp(1), (s * text @ new_image.T).logsumexp(1),
                     (t * ref_image @ new_ref_text.T).logsumexp(1), (t * ref_text @ new_ref_image.T).logsumexp(1)]))
         selected = torch.cat(picks)
+        self.selections += 1
         # for metrics(): the fraction kept, the learner's extra forward compute relative to a step on the kept
         # sub-batch alone (b_super/b_sub − 1), and the mean first-chunk learnability of all and of the kept
         self._last = {'selection_rate': len(selected) / image.shape[0],

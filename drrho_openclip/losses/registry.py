@@ -3,7 +3,7 @@
 A loss's options are of two kinds. The user's are its `defaults` (command-line flags in the OpenCLIP plugin; an
 option whose values are not all of its default's type names its parser in `OPTION_TYPES`). The training run's are
 named in its `run_options`: facts of the run (dataset size, rank, world size, the model's embedding size, OpenCLIP's
---local-loss / --gather-with-grad) that the run supplies to the losses that read them, and only to those.
+--local-loss / --gather-with-grad / --seed) that the run supplies to the losses that read them, and only to those.
 
 Some options act only in some settings (a fixed τ has no ρ): a loss's `inactive(options)` names those its other
 options leave without effect, and `create_loss` refuses them when they are given a value other than the default.
@@ -20,6 +20,7 @@ RUN_OPTION_DEFAULTS = dict(
     embed_dim=0,               # the model's embedding size (a loss with a network on the features)
     local_loss=True,           # OpenCLIP's flags, for the losses with CLIP's loss (clip, jest)
     gather_with_grad=True,
+    seed=0,                    # OpenCLIP's --seed, for the losses that draw at random (jest)
 )
 DISTRIBUTED = ('rank', 'world_size')  # what every loss is given
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import keyed_uniform
 from .collectives import all_reduce, check_device
 from .precision import at_least_float32
 from .state import SampleSharding
@@ -303,10 +304,8 @@ def sample_keyed_dropout(x: torch.Tensor, index: torch.Tensor, epoch: int, p: fl
     if p == 0:
         return x
     units = torch.arange(x.shape[1], device=x.device)
-    z = index.to(x.device, torch.int64)[:, None] * 1_000_003 + epoch * 7_919 + units[None, :] * 104_729
-    for multiplier in (0x5851F42D4C957F2D, 0x14057B7EF767814F):  # xorshift-multiply mixing (wraps in int64)
-        z = (z ^ (z >> 29)) * multiplier
-    uniform = ((z >> 11) & ((1 << 52) - 1)).to(torch.float64) / float(1 << 52)
+    uniform = keyed_uniform(index.to(x.device, torch.int64)[:, None] * 1_000_003 + epoch * 7_919
+                            + units[None, :] * 104_729)
     return x * (uniform >= p).to(x.dtype) / (1 - p)
 
 

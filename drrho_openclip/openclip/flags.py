@@ -185,7 +185,7 @@ def check_args(args, parser) -> Run:
         warnings.append(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "
                         f"always the local samples and its candidates the global batch, gathered with gradient")
     stand_in = dict(num_samples=1, rank=0, world_size=1, embed_dim=1, local_loss=args.local_loss,
-                    gather_with_grad=args.gather_with_grad)
+                    gather_with_grad=args.gather_with_grad, seed=args.seed)
     try:  # the loss's own checks, on a stand-in of the run's sizes
         loss = create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})
     except ValueError as e:

@@ -55,7 +55,7 @@ def configure_model(run: Run, model, args):
         options['tile_size'] = auto_tile_size(args.batch_size, args.batch_size * args.world_size, device)
     supplied = get_loss_spec(run.loss_name).run_options
     from_run = dict(num_samples=run.sample_index_size, rank=args.rank, world_size=args.world_size,
-                    local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
+                    local_loss=args.local_loss, gather_with_grad=args.gather_with_grad, seed=args.seed)
     if 'embed_dim' in supplied:
         import open_clip
         from_run['embed_dim'] = open_clip.get_model_config(args.model)['embed_dim']
