@@ -153,3 +153,19 @@ def test_an_online_reference_reads_the_learners_batches_as_its_own(shapes, tmp_p
         OnlineReference(forced, args, 'cpu')
     with pytest.raises(ValueError, match=r"has context_length 16, the learner 8"):
         OnlineReference(open_clip.create_model(shapes['model'], force_context_length=8), args, 'cpu')
+
+
+@pytest.mark.parametrize('precision, dtype', [('amp_bf16', 'bfloat16'), ('fp32', 'float32')])
+def test_an_online_reference_runs_under_the_runs_autocast(shapes, precision, dtype):
+    """Under --precision amp_bf16 (or amp) the reference's forward runs in OpenCLIP's autocast, as the learner's
+    does and as OpenCLIP runs its own --distill-model teacher: the loop asks for the reference features before it
+    enters its autocast, so without one of its own the reference ran in float32, at float32's time and memory."""
+    import torch
+    from drrho_openclip.openclip.reference import OnlineReference
+    args = parse('--model', shapes['model'], '--loss', 'drrho', '--ref-model', shapes['model'], '--precision', precision)
+    learner = open_clip.create_model(shapes['model'])
+    reference = OnlineReference(learner, args, 'cpu')
+    assert {p.dtype for p in reference.model.parameters()} == {torch.float32}  # amp keeps float32 weights
+    tokens = open_clip.get_tokenizer(shapes['model'])(['a red square'])
+    image_features, text_features = reference(torch.zeros(1, 3, 32, 32), tokens)
+    assert image_features.dtype == text_features.dtype == getattr(torch, dtype)

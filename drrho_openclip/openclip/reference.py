@@ -59,11 +59,14 @@ def _same_values(a, b) -> bool:
 
 class OnlineReference:
     """Reference features computed on the fly from the learner's batch (its augmentation and tokenizer), on the
-    learner's device, in the run's --precision. The reference must read the learner's batches: the same image size,
+    learner's device, in the run's --precision: its weights' dtype, and under `amp`/`amp_bf16` OpenCLIP's autocast
+    (the loop asks for the features before it enters its own autocast for the learner). The reference must read the learner's batches: the same image size,
     context length and vocabulary; images normalised with another mean and std than the reference's own are
     re-normalised for it (one affine map per channel)."""
 
     def __init__(self, learner, args, device):
+        from open_clip_train.precision import get_autocast
+        self.autocast = get_autocast(args.precision, device_type=torch.device(device).type)
         self.model = create_model(args.ref_model, args.ref_pretrained, device, precision=args.precision,
                                   cache_dir=args.cache_dir)[0].requires_grad_(False)
         theirs, ours = _sizes(self.model), _sizes(learner)
@@ -89,4 +92,5 @@ class OnlineReference:
         if self.renormalize is not None:
             scale, shift = self.renormalize
             images = (images.float() * scale + shift).to(images.dtype)
-        return self.model.encode_image(images, normalize=True), self.model.encode_text(texts, normalize=True)
+        with self.autocast():
+            return self.model.encode_image(images, normalize=True), self.model.encode_text(texts, normalize=True)
