@@ -53,7 +53,7 @@ def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
 
 
 def loss_args(shapes, name):
-    """Command-line flags of a stateful configuration of each loss (γ < 1 from epoch 1 on)."""
+    """Command-line flags of a stateful configuration of each loss (γ < 1 from epoch 1 on, JEST's selection count)."""
     ref = ('--ref-features', shapes['ref'])
     return {
         'drrho': (*DRRHO, *ref),
@@ -61,6 +61,7 @@ def loss_args(shapes, name):
         'fastclip+kd': ('--loss', 'fastclip', '--gamma', '0.5', '--distill-weight', '0.25', *ref),
         'isogclr': ('--loss', 'isogclr', '--gamma', '0.5', '--lr-tau', '0.01'),
         'tempnet': ('--loss', 'tempnet', '--gamma', '0.5', '--tempnet-width', '16', '--tempnet-prototypes', '8'),
+        'jest': ('--loss', 'jest', '--selection-ratio', '0.5', *ref),  # random draws, whose count is its state
     }[name]
 
 
@@ -85,7 +86,7 @@ def test_a_checkpoint_is_evaluated_without_training_data(shapes, tmp_path):
                                            "--loss tempnet)") in result.stderr
 
 
-@pytest.mark.parametrize('name', ['drrho', 'isogclr', 'tempnet'])
+@pytest.mark.parametrize('name', ['drrho', 'isogclr', 'tempnet', 'jest'])
 def test_killed_run_resumes_exactly(shapes, tmp_path, name):
     args = lambda run, *extra: train_args(shapes, tmp_path, run, *loss_args(shapes, name), *extra, epochs=2)
     run_openclip(args('full'))
