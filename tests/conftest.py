@@ -1,4 +1,6 @@
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -75,6 +77,33 @@ ENV = {**os.environ, 'OMP_NUM_THREADS': '1'}
 
 def start_openclip(args):
     return subprocess.Popen(openclip_command(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+
+
+def _descendants(pid: int) -> list:
+    """Every process started by `pid`, its children's children included (Linux: read from /proc)."""
+    children = {}
+    for stat in Path('/proc').glob('[0-9]*/stat'):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rsplit(')', 1)[1].split()[1])  # after the command name, which may hold ')'
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        started = children.get(todo.pop(), [])
+        found += started
+        todo += started
+    return found
+
+
+def kill_process_tree(process: subprocess.Popen) -> list:
+    """SIGKILL a process and everything it started, as a crash or a node failure ends a run; returns the pids killed.
+    torchrun starts its workers in sessions of their own, so killing its process group left them training, and
+    writing the checkpoints a resume test was meant to recompute."""
+    pids = [process.pid, *_descendants(process.pid)]  # all found first: the agent could otherwise restart workers
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    return pids
 
 
 def run_openclip(args, nproc=1, cwd=None, check=True, start_method=None):
