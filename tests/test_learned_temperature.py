@@ -267,3 +267,29 @@ def test_drrho_learns_tau_from_0_07_and_the_papers_fixed_tau_is_one_switch_away(
     assert type(create_loss('sogclr', num_samples=4).temperature).__name__ == 'FixedTemperature'
     for name in ('isogclr', 'tempnet'):
         assert get_loss_spec(name).defaults['rho'] == 'auto'
+
+
+def test_a_loss_cast_to_16_bits_keeps_its_learned_state_at_its_precision():
+    """`loss.to(torch.bfloat16)` (as a model cast to 16 bits takes its loss along) may not lower the precision of the
+    state the loss learns: in bfloat16 log τ's spacing near log 0.07 (0.016) exceeds its steps, and τ froze at
+    0.0703 while the uncast loss's moved. `.double()` still raises it (the float64 reference tests' way)."""
+    g = torch.Generator().manual_seed(21)
+    steps = [tuple(x.detach().bfloat16() for x in batch(g, 16, d=8, ref_d=8)) for _ in range(20)]
+
+    def trained(cast):
+        loss = cast(create_loss('drrho', num_samples=16, gamma=0.5, lr_tau=5e-4))
+        for features in steps:
+            call(loss, *features)
+        return loss
+    uncast, cast = trained(lambda loss: loss), trained(lambda loss: loss.to(torch.bfloat16))
+    assert {k: v.dtype for k, v in cast.state_dict().items()} == {k: v.dtype for k, v in uncast.state_dict().items()}
+    moved = uncast.temperature.log_tau - math.log(0.07)
+    assert abs(moved) > 5e-3
+    torch.testing.assert_close(cast.temperature.log_tau, uncast.temperature.log_tau)
+    for name in ('isogclr', 'fastclip', 'clip'):
+        options = dict(distill_weight=0.5) if name == 'clip' else dict(num_samples=16, gamma=0.5)
+        loss = create_loss(name, **options)
+        dtypes = {k: v.dtype for k, v in loss.state_dict().items()}
+        assert {k: v.dtype for k, v in loss.half().state_dict().items()} == dtypes
+    assert {v.dtype for v in create_loss('sogclr', num_samples=16, gamma=0.5).double().state_dict().values()} == {
+        torch.float64}

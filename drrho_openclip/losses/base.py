@@ -1,6 +1,6 @@
 """What the losses share beyond their arithmetic: where reference features come from, how the last call's
-diagnostics reach the training loop's logger, how a later call of an accumulation window leaves τ alone, and draws
-that resume exactly."""
+diagnostics reach the training loop's logger, how a later call of an accumulation window leaves τ alone, draws
+that resume exactly, and learned state that a dtype cast leaves at its precision."""
 import torch
 
 
@@ -16,6 +16,22 @@ def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
     restart makes it, so a run resumes exactly without a generator state to checkpoint (and without touching the
     global RNG that OpenCLIP reseeds at every start)."""
     return ((mix64(keys) >> 11) & ((1 << 52) - 1)).to(torch.float64) / float(1 << 52)
+
+
+class KeepsStatePrecision:
+    """Mixin of the modules whose buffers are a loss's learned state (u, τ and its Adam moments, the teacher's
+    chosen scale): `loss.to(dtype)`, `.half()` or `.bfloat16()` may raise their precision but never lower it, as a
+    model cast to 16 bits would otherwise take its loss's state along. In bfloat16 a step of log τ (about lr_tau,
+    10⁻³–10⁻⁵) is far below the spacing near log 0.07 (0.016): τ froze, silently."""
+
+    def _apply(self, fn, *args, **kwargs):
+        before = {name: b for name, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        super()._apply(fn, *args, **kwargs)
+        for name, original in before.items():
+            buffer = self._buffers[name]
+            if buffer.is_floating_point() and torch.finfo(buffer.dtype).eps > torch.finfo(original.dtype).eps:
+                self._buffers[name] = original.to(buffer.device)  # the values as they were, not rounded and back
+        return self
 
 
 def keep_in_graph(value: torch.Tensor, *tensors) -> torch.Tensor:

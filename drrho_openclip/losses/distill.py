@@ -19,6 +19,7 @@ Pure torch: anchors are this rank's rows, candidates the global batch, as in the
 import torch
 from torch import nn
 
+from .base import KeepsStatePrecision
 from .collectives import check_device, gather_batch
 from .registry import AUTO
 from .temperatures import log_bisection
@@ -67,7 +68,7 @@ def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_
     return ((low_log + high_log) / 2).exp()
 
 
-class TeacherLogitScale(nn.Module):
+class TeacherLogitScale(KeepsStatePrecision, nn.Module):
     """The teacher's logit scale: a given number, or 'auto': `calibrated_logit_scale` of the first call's global
     batch (every rank gathers the reference features once and computes the same t), kept from then on; a buffer, so
     checkpoints and resume carry the choice and `loss.to(device)` moves it."""

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .base import KeepsStatePrecision
 from .collectives import all_reduce, broadcast_object, check_device, gather_batch
 
 STATE_LAYOUTS = ('auto', 'replicated', 'sharded')
@@ -176,7 +177,7 @@ def gamma_at_epoch(epoch: int, gamma_min: float, decay_epochs: int) -> float:
     return gamma_min + 0.5 * (1 + math.cos(math.pi * epoch / decay_epochs)) * (1 - gamma_min)
 
 
-class MovingAverageState(nn.Module):
+class MovingAverageState(KeepsStatePrecision, nn.Module):
     """SogCLR's per-sample estimators u (one table per direction), kept in log space.
 
     At τ = 0.01 the shifted loss reaches ±4, so exp(ℓ̂/τ) overflows float32 by far: log u does not.

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import keyed_uniform
+from .base import KeepsStatePrecision, keyed_uniform
 from .collectives import all_reduce, check_device
 from .precision import at_least_float32
 from .state import SampleSharding
@@ -34,7 +34,7 @@ from .state import SampleSharding
 logger = logging.getLogger(__name__)
 
 
-class FixedTemperature(nn.Module):
+class FixedTemperature(KeepsStatePrecision, nn.Module):
     """A constant τ (DRRho-CLIP's default 0.01); ignores the model's logit_scale."""
 
     def __init__(self, tau: float):
@@ -127,7 +127,7 @@ def adam_moments(m, v, grad, beta1: float, beta2: float):
     return m, v
 
 
-class LearnedTemperature(nn.Module):
+class LearnedTemperature(KeepsStatePrecision, nn.Module):
     """A global τ learned by the loss's own Adam on log τ, with its own learning rate: the official code gives the
     model's logit_scale (= −log τ) a parameter group of its own (--lr_tau), where Adam takes these same steps; here
     the model's learning rate and schedule, which leave τ near its start for hundreds of steps, play no part.
@@ -231,7 +231,7 @@ class LearnedTemperature(nn.Module):
             self.log_tau.copy_((self.log_tau - step).clamp(math.log(self.tau_min), math.log(self.tau_max)))
 
 
-class PerSampleTemperature(nn.Module):
+class PerSampleTemperature(KeepsStatePrecision, nn.Module):
     """iSogCLR's learnable τ_i for every sample, for image anchors and text anchors separately.
 
     The tables are buffers (saved by loss.state_dict()), laid out like u (`sharding`: replicated on every rank by
