@@ -267,6 +267,17 @@ def test_accumulation_equals_one_call(case):
         torch.testing.assert_close(accum.state_dict()[key], value, equal_nan=True, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize('case', ['drrho', 'isogclr', 'tempnet', 'jest'])
+def test_a_window_continued_before_it_was_opened_says_so(case):
+    """accum_step > 0 replays the window its accum_step=0 call opened: called first, it said
+    "cannot unpack non-iterable NoneType object" (or a target-size error, JEST's)."""
+    loss = build(case, num_samples=32, gamma=0.5)
+    image, text, ref_image, ref_text = make_batch(1, 12)
+    with pytest.raises(RuntimeError, match=r"accum_step > 0 continues an accumulation window: call the loss on the "
+                                           r"window's first chunk with accum_step=0 first"):
+        call(loss, case, image, text, torch.tensor(20.0), torch.arange(12), ref_image, ref_text, accum_step=1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # float32 and bf16 autocast at τ = 0.01 and a batch of 4096: no inf or nan in the loss, its gradients or its state
 

@@ -47,6 +47,11 @@ def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) ->
 
 
 
+# accum_step k > 0 replays the window whose first call (accum_step=0) updated the state and chose τ
+WINDOW_NOT_OPENED = ("accum_step > 0 continues an accumulation window: call the loss on the window's first chunk "
+                     "with accum_step=0 first")
+
+
 class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     """Bimodal KL-DRO contrastive loss with an optional reference shift and per-sample state.
 
@@ -178,6 +183,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         if accum_step:
             # a later call on the same window: the first call's τ, as constants. τ's gradient depends only on the
             # window's feature values, so the first call already carried all of it (and any per-sample τ step)
+            if self._window_tau is None:
+                raise RuntimeError(WINDOW_NOT_OPENED)
             tau_image, tau_text = self._window_tau
             return keep_in_graph(tau_image, logit_scale, *self.temperature.parameters()), tau_text
         tau_image, tau_text = self.temperature(logit_scale=logit_scale, index=index, image_features=image_features,

@@ -33,6 +33,7 @@ from torch import nn
 from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph, keyed_uniform, mix64
 from .clip import ClipLoss
 from .collectives import gather_batch
+from .core import WINDOW_NOT_OPENED
 from .distill import TeacherLogitScale
 from .precision import at_least_float32
 
@@ -127,6 +128,8 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         if accum_step:
             # a later call on the same window: its first call's selection; logit_scale's gradient, which depends
             # only on the window's feature values, came whole with that call
+            if self._window is None:
+                raise RuntimeError(WINDOW_NOT_OPENED)
             selected, logit_scale = self._window, keep_in_graph(logit_scale.detach(), logit_scale)
         else:
             selected = self.select(image_features, text_features, logit_scale, ref_image_features, ref_text_features)
