@@ -267,6 +267,21 @@ def test_accumulation_equals_one_call(case):
         torch.testing.assert_close(accum.state_dict()[key], value, equal_nan=True, rtol=1e-6, atol=1e-9)
 
 
+def test_an_index_tensor_rewritten_through_numpy_is_read_afresh_at_every_call():
+    """One index tensor reused from step to step, its values rewritten through numpy (no torch version counted): each
+    call reads the rows it holds now. The per-call cache kept the first step's int64 copy, so the second step read
+    and wrote rows 0–15 again and rows 16–31 were never visited."""
+    import numpy as np
+    values = np.zeros(16, np.int32)
+    index = torch.from_numpy(values)
+    loss = create_loss('sogclr', num_samples=32, gamma=0.5)
+    image, text, _, _ = make_batch(1, 16)
+    for step in range(2):
+        values[:] = np.arange(16) + 16 * step
+        loss(image, text, None, index=index)
+    assert torch.isfinite(loss.state.log_u_image).all() and torch.isfinite(loss.state.log_u_text).all()
+
+
 @pytest.mark.parametrize('case', ['drrho', 'isogclr', 'tempnet', 'jest'])
 def test_a_window_continued_before_it_was_opened_says_so(case):
     """accum_step > 0 replays the window its accum_step=0 call opened: called first, it said

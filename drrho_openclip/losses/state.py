@@ -97,6 +97,11 @@ class SampleSharding:
     def table(self, fill: float) -> torch.Tensor:
         return torch.full((self.size,), float(fill))
 
+    def new_call(self):
+        """Forget the last call's index: a tensor reused from call to call can have been rewritten where torch counts
+        no version (through numpy or shared memory), and would read and write the last call's rows."""
+        self._batch = None
+
     def _batch_index(self, index: torch.Tensor, device: torch.device):
         """This rank's sample index on `device` and, when sharded, the global batch's. The state and the temperature
         of one step read the same index tensor: moved, checked and gathered once (again if it changed in place)."""
