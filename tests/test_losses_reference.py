@@ -576,6 +576,14 @@ def test_jest_first_chunk_draws_by_softmax():
     assert (inclusion - linear_inclusion).abs().max() > 0.1  # the test tells the two apart
 
 
+def test_jest_refuses_a_super_batch_beyond_the_rows_its_draws_are_keyed_by():
+    loss = create_loss('jest')
+    assert sum(loss.chunk_sizes(1 << 24)) == round((1 << 24) * 0.2)
+    with pytest.raises(ValueError, match=r"JEST draws among at most 16777216 rows per rank, got a super-batch of "
+                                         r"16777217"):
+        loss.chunk_sizes((1 << 24) + 1)
+
+
 def test_jest_resumes_its_draws_exactly_whatever_the_global_rng():
     """OpenCLIP reseeds torch's global RNG at every start: JEST's noise is keyed by its checkpointed count of
     selections (and the run's seed and rank), so a resumed loss selects as the uninterrupted one does, instead of

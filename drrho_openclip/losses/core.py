@@ -201,9 +201,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         elif self.distill_weight > 0:
             self.require_reference(ref_image_features, ref_text_features, "distills from the reference model")
         device = image_features.device
-        sharding = self.sharding
-        if sharding is not None:
-            sharding.new_call()
+        for part in (self.state, self.temperature):
+            if getattr(part, 'sharding', None) is not None:
+                part.sharding.new_call()
         with autocast_disabled(device):
             # 16-bit features stay 16-bit for the pairwise products; the aggregation returns float32 log g
             dtype = pairwise_dtype(image_features, text_features)

@@ -68,6 +68,9 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     def chunk_sizes(self, super_batch: int) -> list:
         """This rank's draws per chunk."""
+        if super_batch > 1 << ROW_BITS:  # the rows a draw's key holds
+            raise ValueError(f"JEST draws among at most {1 << ROW_BITS} rows per rank, got a super-batch of "
+                             f"{super_batch}")
         selected = round(super_batch * self.selection_ratio)
         if selected < max(self.num_chunks, 2):
             raise ValueError(f"JEST keeps {selected} of a super-batch of {super_batch} per rank, fewer than "
@@ -76,9 +79,8 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         return [len(c) for c in torch.arange(selected).tensor_split(self.num_chunks)]
 
     def _gumbel(self, scores, chunk: int):
-        """Gumbel noise for this rank's rows in `chunk` of the current selection."""
-        if len(scores) > 1 << ROW_BITS:
-            raise ValueError(f"JEST draws for at most {1 << ROW_BITS} rows per rank, got {len(scores)}")
+        """Gumbel noise for this rank's rows in `chunk` of the current selection (at most 2^ROW_BITS rows:
+        `chunk_sizes`)."""
         rows = torch.arange(len(scores), device=scores.device)
         keys = (self.selections << (ROW_BITS + CHUNK_BITS)) + (chunk << ROW_BITS) + rows + self._stream
         uniform = keyed_uniform(keys) + 2.0 ** -53  # in (0, 1): both logs finite
