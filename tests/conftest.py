@@ -146,6 +146,16 @@ def checkpoint(logs, name, epoch):
     return torch.load(Path(logs) / name / 'checkpoints' / f'epoch_{epoch}.pt', map_location='cpu')
 
 
+def without_dropout(loss):
+    """TempNet's dropout off (its networks in eval mode) in a loss that still trains (`loss.eval()` would stop its
+    learning): copies compute alike, and a float64 reference needs no masks. Returns the loss."""
+    from drrho_openclip.losses.temperatures import TempNet
+    for module in loss.modules():
+        if isinstance(module, TempNet):
+            module.eval()
+    return loss
+
+
 def assert_same(a, b, **tol):
     import torch
     torch.testing.assert_close(a, b, equal_nan=True, **(tol or dict(rtol=0, atol=0)))

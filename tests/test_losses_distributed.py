@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import on_gloo_ranks
+from conftest import on_gloo_ranks, without_dropout
 from drrho_openclip.losses import create_loss, get_loss_spec
 
 WORLD, B = 2, 6  # per-rank batch
@@ -61,7 +61,7 @@ def run(scenario, rank, world_size):
     name, options, epochs = SCENARIOS[scenario]
     if get_loss_spec(name).stateful:
         options = dict(options, num_samples=NUM_SAMPLES)
-    loss = create_loss(name, rank=rank, world_size=world_size, **options).double().eval()
+    loss = without_dropout(create_loss(name, rank=rank, world_size=world_size, **options).double())
     torch.manual_seed(0)
     loss.load_state_dict(create_loss(name, **options).double().state_dict())  # same TempNet
     if hasattr(loss, 'set_total_steps'):

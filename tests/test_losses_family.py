@@ -5,9 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import without_dropout
 from drrho_openclip.losses import attach_to_model, create_loss, get_loss_spec, list_losses, option_names
-
-EXTRAS_FREE = {'clip'}  # OpenCLIP's own ClipLoss takes no plugin keywords
 
 
 def unit(g, n, d, dtype=torch.float32):
@@ -28,6 +27,7 @@ CASES = {
     'clip+kd': dict(distill_weight=0.5),
     'drrho': dict(gamma=0.5),
     'drrho+kd': dict(gamma=0.5, distill_weight=0.25),
+    'drrho+auto': dict(temperature='auto'),  # a τ chosen from the first batch
     'sogclr': dict(gamma=0.5),
     'fastclip': dict(),
     'fastclip+kd': dict(distill_weight=0.25),
@@ -53,9 +53,7 @@ def build(case, num_samples=64, **overrides):
     return loss
 
 
-def call(loss, case, image, text, logit_scale, index, ref_image, ref_text, **kw):
-    if case in EXTRAS_FREE:
-        return loss(image, text, logit_scale, output_dict=True)
+def call(loss, image, text, logit_scale, index, ref_image, ref_text, **kw):
     return loss(image, text, logit_scale, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
                 output_dict=True, **kw)
 
@@ -168,13 +166,13 @@ def tables(loss):
 def test_state_dict_round_trip(case):
     num_samples, n = 24, 8
     loss = build(case, num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1)
-    loss.eval()  # TempNet's dropout off, so that two copies compute the same
+    without_dropout(loss)  # so that two copies compute the same
     logit_scale = torch.tensor(20.0)
     for step in range(3):
         loss.set_epoch(step)
         image, text, ref_image, ref_text = make_batch(step, n)
         index = torch.randperm(num_samples, generator=torch.Generator().manual_seed(step))[:n]
-        call(loss, case, image, text, logit_scale, index, ref_image, ref_text)
+        call(loss, image, text, logit_scale, index, ref_image, ref_text)
     saved = tables(loss)
     assert any(torch.isnan(v).any() for k, v in saved.items() if k.startswith('state.')), "unvisited rows stay NaN"
     if case == 'isogclr':
@@ -182,7 +180,7 @@ def test_state_dict_round_trip(case):
     if case == 'tempnet':
         assert 'temperature.image.prototypes' in saved
 
-    resumed = build(case, num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1).eval()
+    resumed = without_dropout(build(case, num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1))
     resumed.load_state_dict(saved)
     for key, value in resumed.state_dict().items():
         torch.testing.assert_close(value, saved[key], equal_nan=True, rtol=0, atol=0)
@@ -190,8 +188,8 @@ def test_state_dict_round_trip(case):
     index = torch.arange(n) + 3
     for copy_ in (loss, resumed):
         copy_.set_epoch(3)
-    a = call(loss, case, image, text, logit_scale, index, ref_image, ref_text)
-    b = call(resumed, case, image, text, logit_scale, index, ref_image, ref_text)
+    a = call(loss, image, text, logit_scale, index, ref_image, ref_text)
+    b = call(resumed, image, text, logit_scale, index, ref_image, ref_text)
     assert torch.equal(a['contrastive_loss'], b['contrastive_loss'])
     for key, value in loss.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key], value, equal_nan=True, rtol=0, atol=0)
@@ -221,7 +219,7 @@ def test_tempnet_attaches_to_the_model():
 # gradient accumulation: OpenCLIP calls the loss once per chunk on the whole window, the chunk's features live
 
 
-ACCUM_CASES = ['clip+kd', 'drrho', 'drrho+kd', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
+ACCUM_CASES = ['clip', 'clip+kd', 'drrho', 'drrho+kd', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
 
 
 @pytest.mark.parametrize('case', ACCUM_CASES)
@@ -230,13 +228,13 @@ def test_accumulation_equals_one_call(case):
     one-call gradient, and τ's own gradient (logit_scale, TempNet) arrives once, not accum_freq times."""
     num_samples, n = 32, 12
     options = dict(num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1)
-    one, accum = build(case, **options).eval(), build(case, **options).eval()
+    one, accum = without_dropout(build(case, **options)), without_dropout(build(case, **options))
     accum.load_state_dict(one.state_dict())  # same TempNet weights
     image, text, ref_image, ref_text = make_batch(1, n, dtype=torch.float64)
     index = torch.randperm(num_samples, generator=torch.Generator().manual_seed(1))[:n]
     for loss in (one, accum):
         set_epoch(loss, 0)  # first visits, then revisits at γ < 1
-        call(loss, case, image.flip(0), text.flip(0), torch.tensor(20.0), index.flip(0), ref_image.flip(0),
+        call(loss, image.flip(0), text.flip(0), torch.tensor(20.0), index.flip(0), ref_image.flip(0),
              ref_text.flip(0))
         set_epoch(loss, 1)
 
@@ -246,7 +244,7 @@ def test_accumulation_equals_one_call(case):
 
     params = [p for p in one.parameters()]
     i1, t1, s1 = leaves()
-    total = sum(call(one, case, i1, t1, s1, index, ref_image, ref_text).values())
+    total = sum(call(one, i1, t1, s1, index, ref_image, ref_text).values())
     want = torch.autograd.grad(total, [i1, t1, s1] + params, allow_unused=True)
 
     i2, t2, s2 = leaves()
@@ -257,7 +255,7 @@ def test_accumulation_equals_one_call(case):
         # the window as OpenCLIP rebuilds it: cached (detached) features, chunk j recomputed with gradient
         img = torch.cat([i2[c] if c == live else i2[c].detach() for c in chunks])
         txt = torch.cat([t2[c] if c == live else t2[c].detach() for c in chunks])
-        out = sum(call(accum, case, img, txt, s2, index, ref_image, ref_text, accum_step=j).values())
+        out = sum(call(accum, img, txt, s2, index, ref_image, ref_text, accum_step=j).values())
         assert torch.allclose(out, total, rtol=1e-6), "every call of the window has the window's loss value"
         step = torch.autograd.grad(out, [i2, t2, s2] + accum_params, allow_unused=True)
         got = [a + b if b is not None else a for a, b in zip(got, step)]
@@ -290,15 +288,72 @@ def test_a_window_continued_before_it_was_opened_says_so(case):
     image, text, ref_image, ref_text = make_batch(1, 12)
     with pytest.raises(RuntimeError, match=r"accum_step > 0 continues an accumulation window: call the loss on the "
                                            r"window's first chunk with accum_step=0 first"):
-        call(loss, case, image, text, torch.tensor(20.0), torch.arange(12), ref_image, ref_text, accum_step=1)
+        call(loss, image, text, torch.tensor(20.0), torch.arange(12), ref_image, ref_text, accum_step=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval mode: a held-out batch scored between training steps leaves the run as it was
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_eval_mode_scores_a_batch_without_touching_the_run(case):
+    """`loss.eval()` under no_grad, before the first training step and between two: no state changes (u, τ and its
+    moments, a τ or teacher scale to be chosen from the first batch, JEST's selection count), and the run continues
+    exactly as a copy that never evaluated. Before, the DRO losses wrote the held-out samples' u into the tables,
+    and a learned τ raised under no_grad."""
+    num_samples, n = 32, 8
+    trained = build(case, num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1)
+    evaluated = copy.deepcopy(trained)
+    held_out = make_batch(99, n)
+    logit_scale = torch.tensor(20.0)
+    for step in range(3):
+        if step in (0, 2):
+            before = tables(evaluated)
+            evaluated.eval()
+            with torch.no_grad():
+                score = call(evaluated, *held_out[:2], logit_scale, torch.arange(16, 16 + n), *held_out[2:])
+            evaluated.train()
+            assert all(torch.isfinite(v) for v in score.values())
+            after = tables(evaluated)
+            assert after.keys() == before.keys()
+            for key, value in before.items():
+                assert torch.equal(after[key].nan_to_num(-7.0), value.nan_to_num(-7.0)), key
+        image, text, ref_image, ref_text = make_batch(step, n)
+        index = torch.arange(n) + n * (step % 2)  # revisits from step 2 on
+        outs = []
+        for loss in (trained, evaluated):
+            set_epoch(loss, step)
+            outs.append(call(loss, image, text, logit_scale, index, ref_image, ref_text))
+        for key, value in outs[0].items():
+            assert torch.equal(outs[1][key], value), key
+    for key, value in tables(trained).items():
+        assert torch.equal(tables(evaluated)[key].nan_to_num(-7.0), value.nan_to_num(-7.0)), key
+
+
+def test_jest_scores_the_whole_batch_with_clips_loss_in_eval_mode():
+    """Selection is how JEST trains, like dropout: evaluation draws nothing and needs no reference."""
+    image, text, _, _ = make_batch(3, 10)
+    jest = build('jest').eval()
+    want = create_loss('clip')(image, text, torch.tensor(20.0))
+    assert torch.equal(jest(image, text, torch.tensor(20.0)), want)
+    with pytest.raises(ValueError, match="accum_step is for training"):
+        jest(image, text, torch.tensor(20.0), accum_step=0)
+
+
+def test_a_loss_without_gradients_in_training_mode_points_to_eval_mode():
+    image, text, ref_image, ref_text = make_batch(3, 10)
+    loss = build('drrho')
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"or put it in eval mode \(loss.eval\(\)\)"):
+        call(loss, image, text, None, torch.arange(10), ref_image, ref_text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # float32 and bf16 autocast at τ = 0.01 and a batch of 4096: no inf or nan in the loss, its gradients or its state
 
 
-# drrho+kd computes what fastclip+kd does at logit scale 100; two steps where a state's update has its own code
-STABILITY_STEPS = {**{case: 1 for case in CASES if case != 'drrho+kd'}, 'drrho': 2, 'isogclr': 2}
+# drrho+kd computes what fastclip+kd does at logit scale 100, drrho+auto what drrho does from another τ; two steps
+# where a state's update has its own code
+STABILITY_STEPS = {**{case: 1 for case in CASES if case not in ('drrho+kd', 'drrho+auto')}, 'drrho': 2, 'isogclr': 2}
 
 
 @pytest.mark.parametrize('autocast', [False, True], ids=['fp32', 'bf16-autocast'])
@@ -325,7 +380,7 @@ def test_stable_in_float32_at_tau_001(case, autocast):
     for epoch in range(STABILITY_STEPS[case]):  # a second step updates the state at γ < 1
         set_epoch(loss, epoch)
         with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
-            out = call(loss, case, image, text, logit_scale, torch.arange(n), ref_image, ref_text)
+            out = call(loss, image, text, logit_scale, torch.arange(n), ref_image, ref_text)
             total = sum(out.values())
         grads = torch.autograd.grad(total, [image, text, logit_scale], allow_unused=True)
         assert torch.isfinite(total), out
@@ -349,9 +404,9 @@ def test_tiled_aggregate_gives_the_same_loss(case):
     tiled.aggregate = make_tiled_aggregate(3)
     image, text, ref_image, ref_text = make_batch(4, n, dtype=torch.float64)
     results = []
-    for loss in (untiled.eval(), tiled.eval()):
+    for loss in (without_dropout(untiled), without_dropout(tiled)):
         i, t = image.clone().requires_grad_(), text.clone().requires_grad_()
-        out = call(loss, case, i, t, torch.tensor(20.0), torch.arange(n), ref_image, ref_text)['contrastive_loss']
+        out = call(loss, i, t, torch.tensor(20.0), torch.arange(n), ref_image, ref_text)['contrastive_loss']
         results.append([out, *torch.autograd.grad(out, [i, t])] + [v for v in loss.state_dict().values()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-6, atol=1e-9)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import without_dropout
 from drrho_openclip.losses import create_loss, get_loss_spec
 
 F64 = dict(dtype=torch.float64)
@@ -420,7 +421,8 @@ def test_tempnet_over_steps():
     with G_i = log(ε+u_i) + ρ − Σ_j W_ij ℓ̂_ij/τ_i/(n−1) (tempnet.md §3.1, in the core's ε convention)."""
     num_samples, n, d, eps, gamma, rho = 9, 6, 6, 1e-6, 0.8, 2.0
     loss = create_loss('tempnet', num_samples=num_samples, embed_dim=d, epsilon=eps, gamma=gamma, rho=rho,
-                       tempnet_width=8, tempnet_prototypes=5, tau_min=0.02, tau_max=0.2).double().eval()
+                       tempnet_width=8, tempnet_prototypes=5, tau_min=0.02, tau_max=0.2).double()
+    without_dropout(loss)
     nets = loss.temperature
     params = list(nets.parameters())
     u_tables = {side: torch.full((num_samples,), float('nan'), **F64) for side in ('image', 'text')}
@@ -613,3 +615,38 @@ def test_jest_resumes_its_draws_exactly_whatever_the_global_rng():
     for other in (first_noise(seed=6), first_noise(seed=5, rank=1), create_loss('jest', seed=5, **options)._gumbel(
             torch.zeros(40, **F64), 1)):
         assert not torch.isclose(noise, other).any()  # another run, rank or chunk: other draws
+
+
+@pytest.mark.parametrize('name', ['drrho', 'sogclr', 'isogclr'])
+def test_eval_mode_is_the_batch_objective(name):
+    """In eval mode the value is the mini-batch objective of the current τ, mean_i τ_i log(ε + g_i) over both
+    directions plus ρ(τ_image + τ_text), whatever u holds: here after training steps that set u and moved τ."""
+    num_samples, n, eps = 24, 12, 1e-3
+    loss = create_loss(name, num_samples=num_samples, epsilon=eps, gamma=0.5, gamma_decay_epochs=1)
+    if hasattr(loss, 'set_total_steps'):
+        loss.set_total_steps(4)
+    g = torch.Generator().manual_seed(5)
+    for epoch in (0, 1, 1):
+        loss.set_epoch(epoch)
+        image, text, ref_image, ref_text = batch(g, n)
+        index = torch.randperm(num_samples, generator=g)[:n]
+        loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text)
+    image, text, ref_image, ref_text = (x.detach() for x in batch(g, n))
+    index = torch.randperm(num_samples, generator=g)[:n]  # per-sample τ reads its rows; u is not read
+    loss.eval()
+    with torch.no_grad():
+        out = loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text)
+
+    if name == 'isogclr':
+        tau_image, tau_text = loss.temperature.tau_image[index].double(), loss.temperature.tau_text[index].double()
+    elif name == 'drrho':
+        tau_image = tau_text = loss.temperature.log_tau.exp()
+    else:
+        tau_image = tau_text = torch.tensor(get_loss_spec(name).defaults['temperature'], **F64)
+    use_ref = name == 'drrho'
+    ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
+    ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
+    rho = loss.rho if loss.rho is not None else math.log((n - 1) / loss.target_negatives)
+    value = (tau_image * torch.log(eps + inner_mean(ell_image, tau_image))
+             + tau_text * torch.log(eps + inner_mean(ell_text, tau_text)) + rho * (tau_image + tau_text)).mean()
+    assert_close(out, value, **TABLE)

@@ -10,16 +10,19 @@ cross-entropies with the positives as labels. With several ranks, as OpenCLIP's 
   so that its rows carry gradient.
 
 Plain `--loss clip` in a training run is OpenCLIP's own ClipLoss; this module serves the losses built on CLIP's
-(MobileCLIP's distillation, JEST) and `create_loss('clip')`.
+(MobileCLIP's distillation, JEST) and `create_loss('clip')`, which a training loop of one's own calls as it calls the
+other losses: with the batch's extras (sample index, reference features, which CLIP's loss does not read), an
+`accum_step`, and `metrics()`.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import LastCallMetrics, keep_in_graph
 from .collectives import gather_batch
 
 
-class ClipLoss(nn.Module):
+class ClipLoss(LastCallMetrics, nn.Module):
 
     def __init__(self, local_loss: bool = False, gather_with_grad: bool = False, rank: int = 0, world_size: int = 1):
         super().__init__()
@@ -27,6 +30,7 @@ class ClipLoss(nn.Module):
         self.gather_with_grad = gather_with_grad
         self.rank = rank
         self.world_size = world_size
+        self._last = {}  # CLIP's loss has no diagnostics beyond its value; the losses built on it add theirs
 
     def _gather(self, features: torch.Tensor) -> torch.Tensor:
         gathered = gather_batch(features, self.world_size, with_grad=self.gather_with_grad, device=features.device)
@@ -52,6 +56,10 @@ class ClipLoss(nn.Module):
             labels = labels + logits_per_image.shape[0] * self.rank
         return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
 
-    def forward(self, image_features, text_features, logit_scale, output_dict=False):
+    def forward(self, image_features, text_features, logit_scale, accum_step=None, output_dict=False, **_):
+        if accum_step:
+            # a later call on the same accumulation window: logit_scale's gradient, which depends only on the
+            # window's feature values, came whole with its first call
+            logit_scale = keep_in_graph(logit_scale.detach(), logit_scale)
         loss = self.contrastive(*self.logits(image_features, text_features, logit_scale))
         return {'contrastive_loss': loss} if output_dict else loss

@@ -70,6 +70,11 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
 
     A temperature source may learn outside the model's optimiser (per-sample τ): it then has a method
     `step(objective)`, called once per optimiser step with the per-anchor objective (whose τ-gradient it uses).
+
+    In eval mode (`loss.eval()`, as for BatchNorm's running statistics) a call changes none of the loss's state: it
+    returns the batch's own objective (u = g) at the current τ, reads no u, steps no τ, and needs a sample `index`
+    only for per-sample temperatures; a τ or teacher scale still to be chosen from a first batch is chosen from this
+    one and not kept. So a validation batch can be scored between training steps without touching the training run.
     """
 
     def __init__(
@@ -191,7 +196,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                                                text_features=text_features, reference=reference)
         like = dict(device=image_features.device, dtype=elementwise_dtype(image_features.dtype))
         tau_image, tau_text = tau_image.to(**like), tau_text.to(**like)
-        self._window_tau = (tau_image.detach(), tau_text.detach()) if accum_step is not None else None
+        if self.training:
+            self._window_tau = (tau_image.detach(), tau_text.detach()) if accum_step is not None else None
         return tau_image, tau_text
 
     def forward(self, image_features, text_features, logit_scale=None, index=None,
@@ -200,6 +206,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         elif self.distill_weight > 0:
             self.require_reference(ref_image_features, ref_text_features, "distills from the reference model")
+        if not self.training and accum_step is not None:
+            raise ValueError("accum_step is for training: in eval mode a call scores one whole batch")
         device = image_features.device
         for part in (self.state, self.temperature):
             if getattr(part, 'sharding', None) is not None:
@@ -227,7 +235,10 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             inv_tau_image, inv_tau_text = 1.0 / tau_image, 1.0 / tau_text
             log_g_image, log_g_text = self.aggregate(image, text, all_image, all_text, offset, inv_tau_image,
                                                      inv_tau_text, shift, self.negative_log_weight)
-            log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
+            if self.training:
+                log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
+            else:  # the batch's own objective: u = g, no state read or written
+                log_u_image, log_u_text = log_g_image.detach(), log_g_text.detach()
             rho = rho_for_batch(all_text.shape[0], self.target_negatives) if self.rho is None else self.rho
 
             def per_anchor_objective(log_u_image, log_u_text):  # both directions
@@ -236,7 +247,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                         + rho * (tau_image + tau_text))
             per_anchor = per_anchor_objective(log_u_image, log_u_text)
             loss = per_anchor.mean()
-            if not accum_step and hasattr(self.temperature, 'step'):
+            if self.training and not accum_step and hasattr(self.temperature, 'step'):
                 # By default τ steps on the estimate with u, as the paper's does. A sample's u is from its last
                 # visit; while the model improves, u > g on every revisit, and log(ε + u) − (g/(ε + u))·E_p[ℓ/τ]
                 # overstates the τ-derivative by more the smaller τ is, so τ keeps falling (an annealing that

@@ -69,9 +69,9 @@ def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_
 
 
 class TeacherLogitScale(KeepsStatePrecision, nn.Module):
-    """The teacher's logit scale: a given number, or 'auto': `calibrated_logit_scale` of the first call's global
-    batch (every rank gathers the reference features once and computes the same t), kept from then on; a buffer, so
-    checkpoints and resume carry the choice and `loss.to(device)` moves it."""
+    """The teacher's logit scale: a given number, or 'auto': `calibrated_logit_scale` of the first training call's
+    global batch (every rank gathers the reference features once and computes the same t), kept from then on; a
+    buffer, so checkpoints and resume carry the choice and `loss.to(device)` moves it."""
 
     def __init__(self, value, world_size: int = 1):
         super().__init__()
@@ -95,7 +95,10 @@ class TeacherLogitScale(KeepsStatePrecision, nn.Module):
         check_device(self.value, device, "the teacher's logit scale")
         if not self._chosen:
             with torch.no_grad():
-                self.value.copy_(calibrated_logit_scale(gather_batch(ref_image, self.world_size, False, device),
-                                                        gather_batch(ref_text, self.world_size, False, device)))
+                scale = calibrated_logit_scale(gather_batch(ref_image, self.world_size, False, device),
+                                               gather_batch(ref_text, self.world_size, False, device))
+            if not self.training:  # an evaluation before the first training call: this batch's scale, not kept
+                return scale
+            self.value.copy_(scale)
             self._chosen = True
         return self.value

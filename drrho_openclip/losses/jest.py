@@ -126,6 +126,12 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 accum_step=None, output_dict=False, **_):
+        if not self.training:
+            # selection is how JEST trains, like dropout: evaluation scores the whole batch with CLIP's loss and
+            # draws nothing (the selection count, a key of the draws, stays where training left it)
+            if accum_step is not None:
+                raise ValueError("accum_step is for training: in eval mode a call scores one whole batch")
+            return self.clip(image_features, text_features, logit_scale, output_dict=output_dict)
         self.require_reference(ref_image_features, ref_text_features, "scores learnability with the reference model")
         if accum_step:
             # a later call on the same window: its first call's selection; logit_scale's gradient, which depends

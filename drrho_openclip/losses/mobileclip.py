@@ -2,12 +2,12 @@
 teacher. As OpenCLIP's `DistillClipLoss`: KD (`distill.soft_cross_entropy`) of the student's CLIP logits against
 the teacher's at its logit scale (given, or calibrated on the first batch: `distill.TeacherLogitScale`), over the same
 rows and columns, averaged over both directions."""
-from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph
+from .base import ReferenceFeatures, keep_in_graph
 from .clip import ClipLoss
 from .distill import TeacherLogitScale, soft_cross_entropy
 
 
-class MobileClipLoss(ReferenceFeatures, LastCallMetrics, ClipLoss):
+class MobileClipLoss(ReferenceFeatures, ClipLoss):
 
     def __init__(self, distill_weight: float, teacher_logit_scale='auto', **clip_options):
         super().__init__(**clip_options)
@@ -15,7 +15,6 @@ class MobileClipLoss(ReferenceFeatures, LastCallMetrics, ClipLoss):
             raise ValueError(f"distill_weight λ must be in (0, 1], got {distill_weight}")
         self.distill_weight = distill_weight
         self.teacher_logit_scale = TeacherLogitScale(teacher_logit_scale, self.world_size)
-        self._last = {}
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 accum_step=None, output_dict=False, **_):

@@ -132,7 +132,7 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
     model's logit_scale (= −log τ) a parameter group of its own (--lr_tau), where Adam takes these same steps; here
     the model's learning rate and schedule, which leave τ near its start for hundreds of steps, play no part.
 
-    τ starts at `tau_init`, or, with `tau_init=None` ('auto'), at the first call's
+    τ starts at `tau_init`, or, with `tau_init=None` ('auto'), at the first training call's
     `temperature_for_effective_negatives` of the global batch's reference margins for `target_negatives`: every
     rank computes it from the same gathered features, so every rank starts from the same τ. Once per optimiser step
     the core calls `step(objective)` with the batch's per-anchor objective: the SogCLR estimate with each sample's u
@@ -188,19 +188,26 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
         self.lr = 1.0 / total_steps
         return self.lr
 
+    def _choose(self, reference) -> torch.Tensor:
+        """The 'auto' τ of this batch's reference margins."""
+        if reference is None:
+            raise ValueError("temperature 'auto' is chosen from the reference margins of the first batch, and "
+                             "this batch carries no reference features")
+        with torch.no_grad():
+            margins = reference_margins(reference[2], reference[3], TEMPERATURE_CHOICE_ANCHORS)
+            return temperature_for_effective_negatives(margins, self.target_negatives, self.tau_min, self.tau_max)
+
     def forward(self, image_features=None, reference=None, **_):
         check_device(self.log_tau, image_features.device, 'the learned temperature')
+        if not self.training:  # evaluation learns nothing: an 'auto' τ not chosen yet is this batch's, not kept
+            tau = self.log_tau.exp() if self._chosen else self._choose(reference)
+            return tau, tau
         if self.lr is None:
             raise RuntimeError("lr_tau 'auto' is 1/(the run's number of optimiser steps), which this loss has not "
                                "been told: call loss.set_total_steps(n) before training, or give lr_tau a number")
         if not self._chosen:
-            if reference is None:
-                raise ValueError("temperature 'auto' is chosen from the reference margins of the first batch, and "
-                                 "this batch carries no reference features")
-            with torch.no_grad():
-                margins = reference_margins(reference[2], reference[3], TEMPERATURE_CHOICE_ANCHORS)
-                tau = temperature_for_effective_negatives(margins, self.target_negatives, self.tau_min, self.tau_max)
-                self.log_tau.copy_(tau.log())
+            tau = self._choose(reference)
+            self.log_tau.copy_(tau.log())
             self._chosen = True
             # once per run: the τ it starts from is otherwise seen only in the first logged step's metrics
             logger.info(f"drrho-openclip: temperature 'auto' starts at τ = {tau.item():.4g}: the reference shift "
@@ -218,7 +225,7 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
             return
         if not objective.requires_grad:
             raise RuntimeError("a learned temperature learns from the loss's gradient: call the loss with gradients "
-                               "enabled")
+                               "enabled, or put it in eval mode (loss.eval()) to score a batch without learning")
         grad, = torch.autograd.grad(objective.mean(), self._leaf, retain_graph=True)
         self._leaf = None
         # the mean over ranks of their anchors' means: the gradient of the global batch's mean objective
@@ -275,6 +282,8 @@ class PerSampleTemperature(KeepsStatePrecision, nn.Module):
         # τ, m and v of the batch's rows in one read (one exchange when sharded); m and v are used in step()
         tau_image, m_image, v_image, tau_text, m_text, v_text = self.sharding.read(self._tables(), index,
                                                                                    image_features.device)
+        if not self.training:  # evaluation: the samples' τ as they are, no step to take
+            return tau_image, tau_text
         # leaves: the loss's gradient wrt them is G, read in step()
         self._rows = (index, tau_image.clone().requires_grad_(), tau_text.clone().requires_grad_(),
                       (m_image, v_image), (m_text, v_text))
@@ -289,7 +298,8 @@ class PerSampleTemperature(KeepsStatePrecision, nn.Module):
         """One Adam step on the rows of the last forward; `objective` holds the per-anchor terms of that call."""
         if not objective.requires_grad:
             raise RuntimeError("per-sample temperatures learn from the loss's gradient: call the loss with "
-                               "gradients enabled")
+                               "gradients enabled, or put it in eval mode (loss.eval()) to score a batch without "
+                               "learning")
         index, tau_image, tau_text, moments_image, moments_text = self._rows
         grads = torch.autograd.grad(objective.sum(), (tau_image, tau_text), retain_graph=True)
         with torch.no_grad():
