@@ -64,8 +64,9 @@ class ReferenceFeatures:
         """Raise unless the batch carries both reference feature sets; `purpose` says what this loss needs them
         for (e.g. "shifts by the reference model")."""
         if ref_image_features is None or ref_text_features is None:
-            raise ValueError(f"this loss {purpose}: the batch carries no reference features (pass --ref-features "
-                             f"DIR or --ref-model)")
+            raise ValueError(f"this loss {purpose}: the batch carries no reference features (in OpenCLIP, pass "
+                             f"--ref-features DIR or --ref-model; called directly, ref_image_features= and "
+                             f"ref_text_features=)")
 
 
 class LastCallMetrics:
