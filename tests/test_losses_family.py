@@ -298,9 +298,9 @@ def test_a_window_continued_before_it_was_opened_says_so(case):
 @pytest.mark.parametrize('case', list(CASES))
 def test_eval_mode_scores_a_batch_without_touching_the_run(case):
     """`loss.eval()` under no_grad, before the first training step and between two: no state changes (u, τ and its
-    moments, a τ or teacher scale to be chosen from the first batch, JEST's selection count), and the run continues
-    exactly as a copy that never evaluated. Before, the DRO losses wrote the held-out samples' u into the tables,
-    and a learned τ raised under no_grad."""
+    moments, a τ or teacher scale to be chosen from the first batch, JEST's selection count, the last training call's
+    metrics), and the run continues exactly as a copy that never evaluated. Before, the DRO losses wrote the held-out
+    samples' u into the tables, and a learned τ raised under no_grad."""
     num_samples, n = 32, 8
     trained = build(case, num_samples=num_samples, gamma=0.5, gamma_decay_epochs=1)
     evaluated = copy.deepcopy(trained)
@@ -308,12 +308,15 @@ def test_eval_mode_scores_a_batch_without_touching_the_run(case):
     logit_scale = torch.tensor(20.0)
     for step in range(3):
         if step in (0, 2):
-            before = tables(evaluated)
+            before, metrics = tables(evaluated), repr(evaluated.metrics())
             evaluated.eval()
             with torch.no_grad():
                 score = call(evaluated, *held_out[:2], logit_scale, torch.arange(16, 16 + n), *held_out[2:])
+                with pytest.raises(ValueError, match="accum_step is for training"):
+                    call(evaluated, *held_out[:2], logit_scale, torch.arange(16, 16 + n), *held_out[2:], accum_step=0)
             evaluated.train()
             assert all(torch.isfinite(v) for v in score.values())
+            assert repr(evaluated.metrics()) == metrics
             after = tables(evaluated)
             assert after.keys() == before.keys()
             for key, value in before.items():
@@ -336,8 +339,12 @@ def test_jest_scores_the_whole_batch_with_clips_loss_in_eval_mode():
     jest = build('jest').eval()
     want = create_loss('clip')(image, text, torch.tensor(20.0))
     assert torch.equal(jest(image, text, torch.tensor(20.0)), want)
-    with pytest.raises(ValueError, match="accum_step is for training"):
-        jest(image, text, torch.tensor(20.0), accum_step=0)
+
+
+def test_clip_keeps_openclips_positional_output_dict():
+    """OpenCLIP's ClipLoss takes output_dict as its fourth positional argument; the extras are keywords only."""
+    image, text, _, _ = make_batch(3, 10)
+    assert set(create_loss('clip')(image, text, torch.tensor(20.0), True)) == {'contrastive_loss'}
 
 
 def test_a_loss_without_gradients_in_training_mode_points_to_eval_mode():

@@ -17,7 +17,7 @@ log-sum-exp over all ranks' rows is gathered with gradient too, so value and gra
 import torch
 from torch import nn
 
-from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph
+from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, keep_in_graph
 from .collectives import gather_batch
 from .precision import autocast_disabled, pairwise_dtype, product, similarities
 
@@ -64,6 +64,7 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                 ref_text_features=None, accum_step=None, output_dict=False, **_):
         if self.use_reference:
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
+        check_eval_call(self, accum_step)
         device = image_features.device
         with autocast_disabled(device):
             # 16-bit features stay 16-bit for the products (float32 accumulation); the balancing runs in float32
@@ -92,8 +93,9 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             p, lse_image = balanced_at_positives(logits_image, self.steps, self.world_size, positives)
             q, lse_text = balanced_at_positives(logits_text, self.steps, self.world_size, positives)
             loss = -(p + q).mean() / 2
-            with torch.no_grad():  # CLIP's loss (k = 1) alongside: k ≥ 2 collapsing towards 0 alone is the warning
-                # the first half-step's row normalisers are CLIP's log-softmax denominators
-                clip = -((logits_image[positives] - lse_image) + (logits_text[positives] - lse_text)).mean() / 2
-            self._last = {'clip_loss': clip, 'tau': tau.detach()}
+            if self.training:  # for metrics()
+                with torch.no_grad():  # CLIP's loss (k = 1) alongside: k ≥ 2 collapsing towards 0 alone is the warning
+                    # the first half-step's row normalisers are CLIP's log-softmax denominators
+                    clip = -((logits_image[positives] - lse_image) + (logits_text[positives] - lse_text)).mean() / 2
+                self._last = {'clip_loss': clip, 'tau': tau.detach()}
         return {'contrastive_loss': loss} if output_dict else loss

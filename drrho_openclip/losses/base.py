@@ -34,6 +34,12 @@ class KeepsStatePrecision:
         return self
 
 
+def check_eval_call(loss, accum_step):
+    """An accumulation window is a training step's: a loss in eval mode scores one whole batch per call."""
+    if not loss.training and accum_step is not None:
+        raise ValueError("accum_step is for training: in eval mode a call scores one whole batch")
+
+
 def keep_in_graph(value: torch.Tensor, *tensors) -> torch.Tensor:
     """`value` plus zero times each of `tensors` that requires grad: they get a zero gradient. A later call of an
     accumulation window uses the first call's τ as a constant (τ's gradient came whole with that call), yet DDP
@@ -70,8 +76,9 @@ class ReferenceFeatures:
 
 
 class LastCallMetrics:
-    """Mixin: `metrics()` reports the 0-dim tensors the last call kept in `self._last` as Python floats (one host
-    synchronisation, when the training loop logs, not at every call)."""
+    """Mixin: `metrics()` reports the 0-dim tensors the last training call kept in `self._last` as Python floats (one
+    host synchronisation, when the training loop logs, not at every call). A call in eval mode keeps nothing there:
+    held-out batches scored between a step and its logging do not stand in for that step's diagnostics."""
 
     def metrics(self) -> dict:
         return {key: value.item() if isinstance(value, torch.Tensor) else float(value)

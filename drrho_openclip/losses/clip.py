@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LastCallMetrics, keep_in_graph
+from .base import LastCallMetrics, check_eval_call, keep_in_graph
 from .collectives import gather_batch
 
 
@@ -56,7 +56,8 @@ class ClipLoss(LastCallMetrics, nn.Module):
             labels = labels + logits_per_image.shape[0] * self.rank
         return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
 
-    def forward(self, image_features, text_features, logit_scale, accum_step=None, output_dict=False, **_):
+    def forward(self, image_features, text_features, logit_scale, output_dict=False, *, accum_step=None, **_):
+        check_eval_call(self, accum_step)
         if accum_step:
             # a later call on the same accumulation window: logit_scale's gradient, which depends only on the
             # window's feature values, came whole with its first call

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .base import ReferenceFeatures, keep_in_graph
+from .base import ReferenceFeatures, check_eval_call, keep_in_graph
 from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
@@ -72,9 +72,11 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     `step(objective)`, called once per optimiser step with the per-anchor objective (whose τ-gradient it uses).
 
     In eval mode (`loss.eval()`, as for BatchNorm's running statistics) a call changes none of the loss's state: it
-    returns the batch's own objective (u = g) at the current τ, reads no u, steps no τ, and needs a sample `index`
-    only for per-sample temperatures; a τ or teacher scale still to be chosen from a first batch is chosen from this
-    one and not kept. So a validation batch can be scored between training steps without touching the training run.
+    returns the batch's own objective (u = g) at the current τ, reads no u, steps no τ, keeps no diagnostics for
+    `metrics()`, and needs a sample `index` only for per-sample temperatures (a training sample's row); a τ or teacher
+    scale still to be chosen from a first batch is chosen from this one and not kept. So a validation batch can be
+    scored between training steps without touching the training run. With several ranks the call is still collective
+    (it gathers the global batch): every rank makes it.
     """
 
     def __init__(
@@ -206,8 +208,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         elif self.distill_weight > 0:
             self.require_reference(ref_image_features, ref_text_features, "distills from the reference model")
-        if not self.training and accum_step is not None:
-            raise ValueError("accum_step is for training: in eval mode a call scores one whole batch")
+        check_eval_call(self, accum_step)
         device = image_features.device
         for part in (self.state, self.temperature):
             if getattr(part, 'sharding', None) is not None:
@@ -258,12 +259,12 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                 self.temperature.step(per_anchor_objective(log_g_image.detach(), log_g_text.detach()) if on_batch
                                       else per_anchor)
             losses = {'contrastive_loss': loss}
-            # what metrics() needs, detached; the features are kept (not the b×B matrices): O((b + B)·d) memory
-            detached = [x.detach() for x in (image, text, all_image, all_text, inv_tau_image, inv_tau_text)]
-            self._last = dict(log_g_image=log_g_image.detach(), log_g_text=log_g_text.detach(),
-                              log_u_image=log_u_image, log_u_text=log_u_text, log_eps=log_eps, rho=rho,
-                              tau_image=tau_image.detach(), tau_text=tau_text.detach(),
-                              pairs=(*detached, offset, shift))
+            if self.training:  # what metrics() needs, detached; the features, not the b×B matrices: O((b + B)·d)
+                detached = [x.detach() for x in (image, text, all_image, all_text, inv_tau_image, inv_tau_text)]
+                self._last = dict(log_g_image=log_g_image.detach(), log_g_text=log_g_text.detach(),
+                                  log_u_image=log_u_image, log_u_text=log_u_text, log_eps=log_eps, rho=rho,
+                                  tau_image=tau_image.detach(), tau_text=tau_text.detach(),
+                                  pairs=(*detached, offset, shift))
             if self.distill_weight > 0:
                 if tau_image.dim():
                     raise ValueError("distillation needs a global temperature (its student logit scale is 1/τ)")
@@ -276,7 +277,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                                        1.0 / tau_image, teacher_scale.to(ref_image.dtype))
                 losses = {'contrastive_loss': (1 - self.distill_weight) * loss,
                           'distill_loss': self.distill_weight * tau_image.detach() * kd}
-                self._last.update(distill=kd.detach(), teacher_logit_scale=teacher_scale)
+                if self.training:
+                    self._last.update(distill=kd.detach(), teacher_logit_scale=teacher_scale)
         if output_dict:
             return losses
         return sum(losses.values())

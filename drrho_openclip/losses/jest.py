@@ -30,7 +30,7 @@ samples with gradient, and apply `self.clip` (CLIP's loss with OpenCLIP's semant
 import torch
 from torch import nn
 
-from .base import LastCallMetrics, ReferenceFeatures, keep_in_graph, keyed_uniform, mix64
+from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, keep_in_graph, keyed_uniform, mix64
 from .clip import ClipLoss
 from .collectives import gather_batch
 from .core import WINDOW_NOT_OPENED
@@ -126,11 +126,10 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 accum_step=None, output_dict=False, **_):
+        check_eval_call(self, accum_step)
         if not self.training:
             # selection is how JEST trains, like dropout: evaluation scores the whole batch with CLIP's loss and
             # draws nothing (the selection count, a key of the draws, stays where training left it)
-            if accum_step is not None:
-                raise ValueError("accum_step is for training: in eval mode a call scores one whole batch")
             return self.clip(image_features, text_features, logit_scale, output_dict=output_dict)
         self.require_reference(ref_image_features, ref_text_features, "scores learnability with the reference model")
         if accum_step:

@@ -2,7 +2,7 @@
 teacher. As OpenCLIP's `DistillClipLoss`: KD (`distill.soft_cross_entropy`) of the student's CLIP logits against
 the teacher's at its logit scale (given, or calibrated on the first batch: `distill.TeacherLogitScale`), over the same
 rows and columns, averaged over both directions."""
-from .base import ReferenceFeatures, keep_in_graph
+from .base import ReferenceFeatures, check_eval_call, keep_in_graph
 from .clip import ClipLoss
 from .distill import TeacherLogitScale, soft_cross_entropy
 
@@ -19,6 +19,7 @@ class MobileClipLoss(ReferenceFeatures, ClipLoss):
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 accum_step=None, output_dict=False, **_):
         self.require_reference(ref_image_features, ref_text_features, "distills from the reference (teacher) model")
+        check_eval_call(self, accum_step)
         if accum_step:
             # a later call on the same accumulation window: logit_scale's gradient, which depends only on the
             # window's feature values, came whole with its first call
@@ -30,8 +31,9 @@ class MobileClipLoss(ReferenceFeatures, ClipLoss):
         contrastive = self.contrastive(logits_per_image, logits_per_text)
         distill = (soft_cross_entropy(teacher_per_image, logits_per_image)
                    + soft_cross_entropy(teacher_per_text, logits_per_text)) / 2
-        self._last = {'contrastive': contrastive.detach(), 'distill': distill.detach(),
-                      'teacher_logit_scale': teacher_scale}
+        if self.training:
+            self._last = {'contrastive': contrastive.detach(), 'distill': distill.detach(),
+                          'teacher_logit_scale': teacher_scale}
         losses = {'contrastive_loss': (1 - self.distill_weight) * contrastive,
                   'distill_loss': self.distill_weight * distill}
         return losses if output_dict else sum(losses.values())
