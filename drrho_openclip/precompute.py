@@ -329,8 +329,10 @@ def main(argv=None):
             raise SystemExit(f"--train-data: no such file '{missing}'")
         if args.dataset_type == 'csv':
             read_csv(args)  # its columns, before a .partial store is started
-        # the model too: a mistyped --model must not leave a .partial store planned with it
-        encoder = None if args.keys_only else _load_encoder(args)
+        # the model too: a mistyped --model must not leave a .partial store planned with it. A part that joins a
+        # planned store loads it once it knows shards are left to encode: a rerun of a finished part needs none
+        joining = partial_dir(args.output).exists()
+        encoder = None if args.keys_only or joining else _load_encoder(args)
         names = [name for name, _ in shards]
         sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
         if args.keys_only:
@@ -350,7 +352,7 @@ def main(argv=None):
         samples = _write_keys(args, todo, writer)
         logging.info(f"{where}: read the keys of {samples} samples of {len(todo)} shards")
     elif todo:
-        samples, seconds = _compute(args, todo, writer, encoder)
+        samples, seconds = _compute(args, todo, writer, encoder or _load_encoder(args))
         logging.info(f"{where}: encoded {samples} samples of {len(todo)} shards in {seconds:.1f} s "
                      f"({samples / max(seconds, 1e-9):.1f} samples/s)")
     missing = writer.missing()

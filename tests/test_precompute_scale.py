@@ -128,6 +128,21 @@ def test_a_rerun_skips_finished_shards_and_ignores_leftovers(data, tmp_path, mon
     assert same_store(data['one'], out)  # bit for bit, and no leftover file
 
 
+def test_a_rerun_of_a_finished_part_loads_no_model(data, tmp_path, monkeypatch, caplog):
+    """A SLURM array resubmitted whole reruns parts that are done: each loaded the reference model (minutes and a GPU's
+    memory for a large one) to encode nothing."""
+    out = tmp_path / 'ref'
+    assert precompute.main(data['args'] + ['--output', out, '--num-parts', 2, '--part', 0]) == 0
+    loads = []
+    load = precompute._load_encoder
+    monkeypatch.setattr(precompute, '_load_encoder', lambda args: loads.append(args.part) or load(args))
+    caplog.set_level('INFO')
+    assert precompute.main(data['args'] + ['--output', out, '--num-parts', 2, '--part', 0]) == 0
+    assert loads == [] and "('shard-0' to 'shard-1'), 2 already finished" in caplog.text
+    assert precompute.main(data['args'] + ['--output', out, '--num-parts', 2, '--part', 1]) == 0
+    assert loads == [1] and same_store(data['one'], out)
+
+
 def test_a_part_with_other_settings_is_refused(data, tmp_path):
     out = tmp_path / 'ref'
     FeatureStoreWriter(out, data['args'][1], data['args'][3], dtype='float32', shards=['shard-0'])
