@@ -81,8 +81,8 @@ OPTION_HELP = dict(
     balance_steps="k, the number of Sinkhorn half-steps (1 = CLIP)",
     selection_ratio="fraction of the super-batch JEST keeps",
     num_chunks="number of chunks JEST draws its selection in",
-    tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled; "
-              "default: untiled while its matrices, about 14 bytes per local x global pair, take at most a quarter "
+    tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled, as "
+              "create_loss is without it; a training run's default: untiled while its matrices, about 14 bytes per local x global pair, take at most a quarter "
               "of the GPU's memory, e.g. one process up to a batch of about 39k on an 80 GB GPU, or off a GPU below "
               "2^28 pairs, one process below 16384; 1024-column tiles beyond)",
     state_layout="where the per-sample tables (u, per-sample τ and its Adam moments) live: 'replicated' (all N rows on "
