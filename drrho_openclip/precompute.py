@@ -35,8 +35,8 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import (add_data_args, data_keys, local_file_sizes, missing_local_file, read_csv, resolve_dataset_type,
-                   shard_keys, shard_samples, sources, undecodable_keys)
+from .data import (add_data_args, data_keys, local_file_sizes, local_path, missing_local_file, read_csv,
+                   resolve_dataset_type, shard_keys, shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, partial_dir, shard_files, shard_name)
 from .openclip.reference import create_model, pretrained_problem
@@ -423,13 +423,28 @@ def _check_shard(store, shard, expected_keys=None, url=None, csv=False):
     return report, problems
 
 
+def _size_warning(shard, url) -> str:
+    """A warning where the local tar `url` differs in size from the file `shard` was written from (training warns
+    alike at start-up), else ''."""
+    local = local_path(url) if url else None
+    if shard.source_bytes is None or local is None or not os.path.isfile(local):
+        return ''
+    size = os.path.getsize(local)
+    if size == shard.source_bytes:
+        return ''
+    return (f"shard '{shard.name}': '{url}' has {size} bytes, the file the store was written from "
+            f"{shard.source_bytes}: a shard filtered since is read rightly, another dataset's shard of the same name and keys would read "
+            f"other samples' features")
+
+
 def verify(argv=None) -> int:
     """`drrho-openclip-features verify DIR`: a line per shard, then every problem; exit status 1 if any."""
     p = argparse.ArgumentParser(prog='drrho-openclip-features verify', allow_abbrev=False,
                                 description='Check a reference-feature store: per shard its sample count, unique '
                                             'keys, dimension, dtype, finite unit-norm features (none in a keys-only '
                                             'store), and with --train-data that its keys are exactly the samples of '
-                                            'the data.')
+                                            'the data (and a warning where a local shard differs in size from the '
+                                            'file the store was written from).')
     p.add_argument('store', help='the store directory')
     add_data_args(p, required=False)
     args = resolve_dataset_type(p.parse_args(argv))
@@ -455,6 +470,7 @@ def verify(argv=None) -> int:
                 for name in data if name not in {s.name for s in store.shards}]
     csv = args.dataset_type == 'csv'
     urls = dict(sources(args)) if args.train_data and not csv else {}
+    warnings = []
     for shard in store.shards:
         if args.train_data and not csv and shard.name not in data:
             # training accepts a store of more shards than it reads: their keys have nothing to be compared with
@@ -463,8 +479,12 @@ def verify(argv=None) -> int:
         else:
             report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None,
                                          urls.get(shard.name), csv=csv)
-        print(report + (' -- PROBLEM' if found else ''))
+        warning = _size_warning(shard, urls.get(shard.name))
+        print(report + (' -- PROBLEM' if found else '') + (' -- size differs' if warning else ''))
         problems += found
+        warnings += [warning] if warning else []
+    for warning in warnings:
+        print(f"WARNING: {warning}")
     for problem in problems:
         print(f"PROBLEM: {problem}")
     print(f"{len(problems)} problem{'s' * (len(problems) > 1)}" if problems else 'OK')

@@ -40,6 +40,11 @@ cmd+=("${extra[@]}" "$@")   # later flags win: arguments of this script override
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo
+elif [[ "$NPROC" == gpu && "$(python -c 'import torch; print(torch.cuda.device_count())')" == 0 ]]; then
+    # torchrun's own message for this is a traceback ending in "Cuda is not available"
+    echo "NPROC=gpu starts one process per visible GPU, and none is visible: set NPROC to the number of processes" \
+         "(without a GPU, e.g. NPROC=2)" >&2
+    exit 2
 else
     exec "${cmd[@]}"
 fi

@@ -103,6 +103,15 @@ def test_torchrun_train_is_standalone():
     assert '--sample-index' not in args  # only when SAMPLE_INDEX is set
 
 
+@pytest.mark.parametrize('script', ['torchrun_train.sh', 'torchrun_precompute.sh'])
+def test_one_process_per_gpu_without_a_gpu_says_what_to_set(script):
+    """NPROC's default, one process per visible GPU, with none visible: torchrun's own message was a traceback."""
+    result = run_script(script, dry_run=False, CUDA_VISIBLE_DEVICES='')
+    assert result.returncode == 2 and not result.stdout
+    assert result.stderr.strip() == ("NPROC=gpu starts one process per visible GPU, and none is visible: set NPROC to "
+                                     "the number of processes (without a GPU, e.g. NPROC=2)")
+
+
 @pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
 def test_the_default_run_name_is_one_folder_for_any_model_name(script):
     for model, name in (('ViT-B-16', 'drrho-ViT-B-16'),

@@ -339,6 +339,23 @@ def test_verify_says_what_is_missing(data, tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().endswith('\n1 problem')
 
 
+def test_verify_warns_where_a_shard_differs_in_size_from_the_one_the_store_was_written_from(data, tmp_path, capsys):
+    """Training warns at start-up where a checked shard's size differs (another dataset's shards of the same names and
+    keys would read other samples' features); verify said OK to the same data."""
+    for i in range(len(SIZES)):
+        shutil.copy(data['root'] / f'shard-{i}.tar', tmp_path)
+    with open(tmp_path / 'shard-2.tar', 'ab') as f:
+        f.write(b'\0' * 1024)  # tar's trailing zero blocks: the same samples, another size
+    assert precompute.main(['verify', data['one'], '--train-data', str(tmp_path / 'shard-{0..4}.tar')]) == 0
+    out = capsys.readouterr().out
+    assert ("shard-2: 5 samples, keys unique, dim 32, float16, 0 non-finite, 5/5 data keys present -- size differs"
+            in out)
+    size = (tmp_path / 'shard-2.tar').stat().st_size
+    assert f"WARNING: shard 'shard-2': '{tmp_path / 'shard-2.tar'}' has {size} bytes, the file the store was written " \
+           f"from {size - 1024}" in out
+    assert out.count('WARNING') == 1 and out.rstrip().endswith('OK')
+
+
 def _nan(path):
     array = np.load(path)
     array[4, 1, 0] = np.nan
