@@ -91,15 +91,21 @@ def shard_name_collision(urls) -> Optional[Tuple[str, str]]:
     return None
 
 
-def read_csv(args):
-    df = pd.read_csv(args.train_data, sep=args.csv_separator)
-    for key in (args.csv_img_key, args.csv_caption_key):
-        if key not in df.columns:
-            one = len(df.columns) == 1  # the whole header in one column: another separator
+def check_csv_columns(args, keys):
+    """Stop, naming the CSV and the columns it has, unless every one of `keys` is a column of its header (a
+    comma-separated file read with OpenCLIP's default tab has one column: the whole header)."""
+    columns = pd.read_csv(args.train_data, sep=args.csv_separator, nrows=0).columns
+    for key in keys:
+        if key not in columns:
+            one = len(columns) == 1
             raise SystemExit(f"{args.train_data}: no column '{key}' (columns with --csv-separator "
-                             f"{args.csv_separator!r}: {', '.join(map(repr, df.columns))}"
+                             f"{args.csv_separator!r}: {', '.join(map(repr, columns))}"
                              + ("; is the file separated by another character?" if one else "") + ")")
-    return df
+
+
+def read_csv(args):
+    check_csv_columns(args, (args.csv_img_key, args.csv_caption_key))
+    return pd.read_csv(args.train_data, sep=args.csv_separator)
 
 
 def _raw_samples(url):

@@ -237,6 +237,19 @@ def test_a_csv_of_several_captions_per_image_gets_a_store_and_trains(shapes, tmp
     assert torch.isfinite(checkpoint(tmp_path, 'run', 1)['loss_state']['state.log_u_image']).all()
 
 
+def test_training_names_what_is_wrong_with_a_csv(shapes, tmp_path):
+    """A comma-separated CSV read with OpenCLIP's default tab: pandas' "Usecols do not match columns" said it."""
+    lines = shapes['csv'].read_text().splitlines()
+    comma = tmp_path / 'comma.csv'
+    comma.write_text('\n'.join(line.replace('\t', ',') for line in lines) + '\n')
+    args = train_args(shapes, tmp_path, 'run', '--loss', 'sogclr', '--gamma', '0.5')
+    args[args.index('--train-data') + 1] = comma
+    result = run_openclip(args, check=False)
+    assert result.returncode != 0
+    assert (f"{comma}: no column 'filepath' (columns with --csv-separator '\\t': 'filepath,title,label'; is the file "
+            f"separated by another character?)") in result.stderr
+
+
 def test_precompute_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):
     lines = shapes['csv'].read_text().splitlines()
     comma = tmp_path / 'comma.csv'

@@ -7,7 +7,7 @@ import shutil
 import textwrap
 from typing import Optional
 
-from ..data import input_kind, local_path, shard_name_collision, shard_urls
+from ..data import check_csv_columns, input_kind, local_path, shard_name_collision, shard_urls
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -335,6 +335,7 @@ def _shard_size_warning(option: str, store: FeatureStore, urls, train_data: str)
 def _csv_images(args) -> list:
     """The image paths of the training CSV, one per row (the column OpenCLIP's CsvDataset reads)."""
     import pandas as pd
+    check_csv_columns(args, (args.csv_img_key, args.csv_caption_key))
     return pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key])[args.csv_img_key].tolist()
 
 
