@@ -230,15 +230,17 @@ def test_backward_inside_autocast_equals_backward_outside(name, options, tile_si
 def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregation):
     """On CUDA both aggregations run their passes over d compiled by TorchInductor (`passes.fused`). Compiled here
     for the CPU (same graphs, no graph break allowed), they give the eager values and gradients: both directions,
-    the reference shift, per-anchor learned τ and ADNCE's log-weights; tiled, with a last tile narrower than the
-    others and the positives spread over several tiles."""
+    the reference shift, per-anchor learned τ and ADNCE's log-weights (untiled: evaluated inside the compiled passes,
+    computed before them and kept when eager); tiled, with a last tile narrower than the others and the positives
+    spread over several tiles."""
     from drrho_openclip.losses import dense, passes
     from drrho_openclip.losses.adnce import adnce_log_weight
     from drrho_openclip.losses.tiled import make_tiled_aggregate
     aggregate = dense.dense_aggregate if aggregation == 'untiled' else make_tiled_aggregate(4)
 
-    def run(fused):
+    def run(fused, compiles):
         monkeypatch.setattr(passes, 'fused', fused)
+        monkeypatch.setattr(passes, 'compiles_for', lambda device: compiles)
         image, text, ref_image, ref_text = batch('cpu', n=10, d=8)
         inv_tau = (10 + torch.arange(10.0)).requires_grad_()
         anchors = slice(None) if whole_batch else slice(5, None)
@@ -249,8 +251,8 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
         total = (out[0] * upstream).sum() + (out[1] * upstream.flip(0)).sum()
         return [t.detach() for t in (*out, *torch.autograd.grad(total, (image, text, inv_tau)))]
 
-    eager = run(lambda fn, block: fn)
-    compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True))  # fullgraph: no graph break either
+    eager = run(lambda fn, block: fn, compiles=False)
+    compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True), compiles=True)  # fullgraph: no graph break
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

@@ -23,6 +23,12 @@ product of the concatenated features (no second b×B matrix, no subtraction pass
 and writes the gradient straight in the features' dtype, for the two products with the features. When one process
 holds the whole batch both directions read the same d (the text rows are its columns), and backward writes one
 gradient for both. Everything over the b×B matrix is a pass of `passes.py`, compiled on CUDA.
+
+Log-weights (ADNCE's) are a function of the raw similarities, d itself without a reference. Where the passes are
+compiled, they are evaluated inside the passes that read them, forward and again in backward: the kernels compute
+them as they stream d, so none is written or kept (with a reference the similarities are one more product, made
+again in backward rather than kept). Eagerly (the CPU) that recomputation would be several more passes over b×B
+each time, so there they are computed once in forward and kept for backward.
 """
 import math
 from typing import Tuple
@@ -35,27 +41,43 @@ from .precision import autocast_disabled, product, without_autocast
 
 # ---- the call sites compiled on CUDA: the passes over d's rows, and over its columns when one process holds all ----
 
-def _statistics(shifted, rows, columns, offset, with_slope):
+def _log_weight(log_w, negative_log_weight, sim, offset):
+    """The log-weights of one direction: `log_w` as computed before the pass, or, when `negative_log_weight` is
+    passed in (compiled passes), evaluated here from `sim`, the raw similarities of that direction."""
+    if negative_log_weight is None:
+        return log_w
+    return negative_log_weight(sim, passes.positive_mask(*sim.shape, offset, sim.device))
+
+
+def _statistics(shifted, rows, columns, offset, with_slope, sim=None, negative_log_weight=None):
     """`row_statistics` of the rows of d, and of its columns when `columns` is given (inv_tau, log_w of the
-    candidates' side: one process holds the whole batch, offset 0)."""
-    stats = passes.row_statistics(shifted, *rows, offset, None, with_slope)
+    candidates' side: one process holds the whole batch, offset 0). Log-weights as `_log_weight` says."""
+    inv_tau, log_w = rows
+    stats = passes.row_statistics(shifted, inv_tau, _log_weight(log_w, negative_log_weight, sim, offset), offset,
+                                  None, with_slope)
     if columns is None:
         return stats
-    return stats + passes.row_statistics(shifted.T, *columns, 0, None, with_slope)
+    inv_tau, log_w = columns
+    sim = None if sim is None else sim.T
+    return stats + passes.row_statistics(shifted.T, inv_tau, _log_weight(log_w, negative_log_weight, sim, 0), 0,
+                                         None, with_slope)
 
 
-def _gradient(shifted, rows, columns, offset, dtype):
+def _gradient(shifted, rows, columns, offset, dtype, sim=None, negative_log_weight=None):
     """∂/∂d of Σ upstream·log g over the rows (and columns) of d, in `dtype`, the features' (the products with the
     features read it). `rows`, `columns`: (inv_tau, log_w, lse, weight, upstream) of each side; a positive d_ii,
     which every ℓ̂_ij of its row subtracts, gets −upstream_i inv_tau_i Σ_j p_ij."""
     inv_tau, log_w, lse, weight, upstream = rows
     scale = upstream * inv_tau
-    grad = passes.row_gradient(shifted, inv_tau, log_w, offset, None, lse, scale)
+    grad = passes.row_gradient(shifted, inv_tau, _log_weight(log_w, negative_log_weight, sim, offset), offset, None,
+                               lse, scale)
     positive = -scale * weight
     if columns is not None:
         inv_tau, log_w, lse, weight, upstream = columns
         scale = upstream * inv_tau
-        grad.add_(passes.row_gradient(shifted.T, inv_tau, log_w, 0, None, lse, scale).T)
+        sim = None if sim is None else sim.T
+        grad.add_(passes.row_gradient(shifted.T, inv_tau, _log_weight(log_w, negative_log_weight, sim, 0), 0, None,
+                                      lse, scale).T)
         positive = positive - scale * weight
     return passes.set_positives(grad, offset, positive).to(dtype)
 
@@ -78,18 +100,22 @@ class _DenseLogMeanExp(torch.autograd.Function):
                 shifted = product(anchors, candidates.T)
             else:  # s − s^ref as one product of the concatenated features
                 shifted = product(torch.cat([anchors, ref_anchors], 1), torch.cat([candidates, -ref_candidates], 1).T)
-            log_w = log_w_columns = None
-            if negative_log_weight is not None:  # from the raw similarities: without the shift, d itself
-                sim = shifted if ref_anchors is None else product(anchors, candidates.T)
-                log_w = negative_log_weight(sim, passes.positive_mask(*sim.shape, offset, sim.device))
-                if inv_tau_columns is not None:
-                    log_w_columns = negative_log_weight(sim.T, passes.positive_mask(*sim.T.shape, 0, sim.device))
-                del sim
+            log_w = log_w_columns = sim = None
+            in_pass = negative_log_weight is not None and passes.compiles_for(shifted.device)
+            if negative_log_weight is not None:
+                sim = _similarities(anchors, candidates, ref_anchors, shifted)
+                if not in_pass:  # eager: computed once here, kept for backward
+                    log_w = _log_weight(None, negative_log_weight, sim, offset)
+                    if inv_tau_columns is not None:
+                        log_w_columns = _log_weight(None, negative_log_weight, sim.T, 0)
             rows = (inv_tau, log_w)
             columns = None if inv_tau_columns is None else (inv_tau_columns, log_w_columns)
-            stats = passes.fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope)
+            in_pass_args = (sim, negative_log_weight) if in_pass else ()
+            stats = passes.fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope, *in_pass_args)
+            del sim, in_pass_args
         ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats)
         ctx.rows, ctx.columns, ctx.offset = rows, columns, offset
+        ctx.in_pass_log_weight = negative_log_weight if in_pass else None
         log_mean = math.log(shifted.shape[1] - 1)
         lse, _, slope = stats[:3]
         lse_columns, _, slope_columns = stats[3:] if columns is not None else (lse.new_empty(0),) * 3
@@ -103,13 +129,22 @@ class _DenseLogMeanExp(torch.autograd.Function):
         anchors, candidates, ref_anchors, ref_candidates, shifted, *stats = ctx.saved_tensors
         rows = (*ctx.rows, *stats[:2], upstream)
         columns = None if ctx.columns is None else (*ctx.columns, *stats[3:5], upstream_columns)
-        grad = passes.fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype)
+        in_pass_args = ()
+        if ctx.in_pass_log_weight is not None:  # the raw similarities again (d itself without a reference)
+            in_pass_args = (_similarities(anchors, candidates, ref_anchors, shifted), ctx.in_pass_log_weight)
+        grad = passes.fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype, *in_pass_args)
+        del in_pass_args
         needs = ctx.needs_input_grad
         grads = (product(grad, candidates).to(anchors.dtype) if needs[0] else None,
                  product(grad.T, anchors).to(candidates.dtype) if needs[1] else None,
                  (-product(grad, ref_candidates)).to(ref_anchors.dtype) if needs[2] else None,
                  (-product(grad.T, ref_anchors)).to(ref_candidates.dtype) if needs[3] else None)
         return (*grads, None, None, None, None, None)
+
+
+def _similarities(anchors, candidates, ref_anchors, shifted):
+    """The raw similarities that log-weights are of: d itself without a reference, their own product with one."""
+    return shifted if ref_anchors is None else product(anchors, candidates.T)
 
 
 def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
