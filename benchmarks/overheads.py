@@ -3,6 +3,8 @@
     python benchmarks/overheads.py                 # CPU: global batch 256, 1024, 4096; d = 512 (about 10 minutes)
     python benchmarks/overheads.py --smoke         # tiny batches, two losses' memory, one training pair (seconds)
     python benchmarks/overheads.py --device cuda   # GPU: bf16 autocast, global batch 256 … 32768
+    python benchmarks/overheads.py --device cuda --sizes 16384 32768 --losses drrho adnce --train-repeats 0
+                                                   # GPU: two losses against ClipLoss, no training step
     python benchmarks/overheads.py --device cuda --precision fp32 --train-model ViT-B-32 --train-batch 4096 \
         --grad-checkpointing                       # GPU: float32 losses; a ViT-B-32 training step
 
@@ -10,8 +12,8 @@ Writes `benchmarks/results/overheads[_smoke|_cuda].json` and `.md`. CPU measurem
 (default 1, in every measured process): on a shared, oversubscribed CPU, OpenMP's barriers stall small operations by
 whole scheduler time slices, which would swamp the differences measured here.
 
-1. Loss forward + backward, world size 1 (local batch = global batch), of every registered loss (`list_losses()`)
-   and of `open_clip.loss.ClipLoss` (the yardstick; the registered `clip` is the same class, a sanity check),
+1. Loss forward + backward, world size 1 (local batch = global batch), of every registered loss (`list_losses()`,
+   or those named by `--losses`) and of `open_clip.loss.ClipLoss` (the yardstick; the registered `clip` is the same class, a sanity check),
    on unit-norm features of dimension d with `requires_grad`, float32 on CPU, on CUDA bf16 under autocast (what a
    model under `--precision amp_bf16` hands its loss) or float32 with `--precision fp32`. Each
    loss gets what it reads in training: the sample index (0..B−1) when stateful, reference features (unit-norm,
@@ -334,6 +336,8 @@ def main(argv=None):
     p.add_argument('--device', default='cpu', help="'cpu' or 'cuda' (default: %(default)s)")
     p.add_argument('--smoke', action='store_true', help='tiny batches, seconds; for tests')
     p.add_argument('--sizes', type=int, nargs='+', help='global batch sizes of the loss timings')
+    p.add_argument('--losses', nargs='+', metavar='LOSS',
+                   help='registered losses to time and measure against ClipLoss (default: all of them)')
     p.add_argument('--dim', type=int, default=512)
     p.add_argument('--threads', type=int, default=1,
                    help='torch threads, here and in every measured process (default: %(default)s: on a shared, '
@@ -373,9 +377,13 @@ def main(argv=None):
     train_batch = args.train_batch or (16 if args.smoke else 1024 if cuda else 256)
     train_samples = train_batch * (WARMUP_STEPS + (2 if args.smoke else 8))
     train_repeats = min(1, args.train_repeats) if args.smoke else args.train_repeats
-    names = [BASELINE, *list_losses()]
+    unknown = sorted(set(args.losses or ()) - set(list_losses()))
+    if unknown:
+        p.error(f"--losses: {', '.join(unknown)} not registered (registered: {', '.join(list_losses())})")
+    names = [BASELINE, *(n for n in list_losses() if args.losses is None or n in args.losses)]
     # --smoke checks the memory path on the drrho/ClipLoss pair at one size only: each measurement is a process
-    memory_names, memory_sizes = ([BASELINE, 'drrho'], sizes[:1]) if args.smoke else (names, sizes)
+    memory_names, memory_sizes = ([n for n in names if n in (BASELINE, 'drrho')], sizes[:1]) if args.smoke else \
+        (names, sizes)
     start = time.time()
 
     print(f"[1/3] loss forward+backward time: {len(names)} losses x B {sizes}, d {dim}, {repeats} rounds", flush=True)

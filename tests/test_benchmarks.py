@@ -354,13 +354,18 @@ def test_overheads_smoke_writes_its_json(tmp_path):
     assert set(report['summary']['training']) == {'clip', 'drrho'}
     assert report['summary']['training']['drrho']['peak_mib'] > 0
     assert out.with_suffix('.md').read_text().startswith('# Overheads')
-    # --train-repeats 0: the losses alone, no training step
+    # --train-repeats 0: the losses alone, no training step; --losses: those named, against ClipLoss
     result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--train-repeats', '0',
-                             '--output', str(out)], capture_output=True, text=True)
+                             '--losses', 'drrho', 'adnce', '--output', str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.with_suffix('.json').read_text())
-    assert report['summary']['training'] == {} and report['summary']['loss']
+    assert report['summary']['training'] == {}
+    for per_loss in report['summary']['loss'].values():
+        assert set(per_loss) == {'ClipLoss', 'drrho', 'adnce'}
     assert 'Training step' not in out.with_suffix('.md').read_text()
+    result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--losses', 'drho'],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--losses: drho not registered" in result.stderr
 
 
 def test_evidence_summary_relates_every_method_to_clip(tmp_path):
