@@ -3,6 +3,7 @@ GPU, precompute with a ViT-B-32-sized model, and the collectives' device discipl
 
     python benchmarks/gpu_check.py                          # on a machine with a CUDA GPU
     python benchmarks/gpu_check.py --device cpu --quick     # the same checks on the CPU (fp32, gloo): tries the script
+    python benchmarks/gpu_check.py --only train/adnce aggregation/adnce two-ranks/adnce   # the cases of one loss
 
 Cases (each passes or fails on its own; the exit status is 0 only if every case passed):
 - train/LOSS/PRECISION: every registered loss, `--precision amp_bf16` and `amp` (fp32 on the CPU), 2 epochs of a
@@ -258,8 +259,12 @@ def _aggregate(args, kwargs, variant, device, dtype):
     return [t.detach().cpu().double() for t in (*out, *grads)]
 
 
+def aggregation_name(variant, dtype, batch):
+    return f"aggregation/{variant}/{str(dtype).removeprefix('torch.')}/{batch}"
+
+
 def aggregation_case(variant, dtype, batch, device):
-    name = f"aggregation/{variant}/{str(dtype).removeprefix('torch.')}/{batch}"
+    name = aggregation_name(variant, dtype, batch)
     start = time.perf_counter()
     torch._dynamo.reset()  # every case compiled afresh (past dynamo's recompile limit it would run eagerly)
     try:
@@ -280,6 +285,17 @@ def aggregation_case(variant, dtype, batch, device):
         return name, False, time.perf_counter() - start, f'{type(error).__name__}: {error}'
 
 
+def select(names, prefixes):
+    """The names that start with one of `prefixes` (all of them when `prefixes` is None); ValueError naming a prefix
+    that matches none."""
+    if prefixes is None:
+        return list(names)
+    unmatched = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name in names)]
+    if unmatched:
+        raise ValueError(f"{', '.join(unmatched)} matches no case")
+    return [name for name in names if any(name.startswith(prefix) for prefix in prefixes)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--device', default='cuda', help="'cuda' (default) or 'cpu' to try the script")
@@ -287,6 +303,8 @@ def main(argv=None):
     p.add_argument('--parallel', type=int, default=4, help='training runs at a time (default: %(default)s)')
     p.add_argument('--workdir', default=None, help='data, features and runs (default: a temporary directory)')
     p.add_argument('--out', default=str(RESULTS / 'gpu_check'), help='results prefix (.md and .json are added)')
+    p.add_argument('--only', nargs='+', metavar='PREFIX',
+                   help='run only the cases whose names (as in the results) start with one of these')
     args = p.parse_args(argv)
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this check is for a GPU machine (try it on the CPU with --device cpu)")
@@ -305,21 +323,32 @@ def main(argv=None):
             print('    ' + result[3].replace('\n', '\n    '), flush=True)
 
     setup, cases, resumes = training_cases(work, args.device, args.quick)
-    for k, cmd in enumerate(setup):
-        record(_run(f'setup/{k}', cmd, logs / f'setup{k}.log', env))
     compute, verify = precompute_case(work, args.device)
+    aggregations = {aggregation_name(variant, dtype, batch): (variant, dtype, batch)
+                    for variant in AGGREGATION_VARIANTS for dtype in (torch.float32, torch.bfloat16)
+                    for batch in (12, 2048)}
+    two_ranks = {f'two-ranks/{case}': case for case in TWO_RANK_CASES}
+    runs = {name: lambda cmd=cmd, name=name: _run(name, cmd, logs / (name.replace('/', '_') + '.log'), env)
+            for name, cmd in cases}
+    runs.update({r[0]: lambda r=r: _run_resume(r, logs, env) for r in resumes})
+    runs['precompute/ViT-B-32'] = lambda: _run_pair('precompute/ViT-B-32', compute, verify, logs, env)
+    try:
+        chosen = set(select([*runs, *aggregations, *two_ranks], args.only))
+    except ValueError as error:
+        p.error(f'--only: {error}')
+    if chosen & {*(name for name, _ in cases), *(r[0] for r in resumes)}:  # they train from the set-up's features
+        for k, cmd in enumerate(setup):
+            record(_run(f'setup/{k}', cmd, logs / f'setup{k}.log', env))
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        jobs = [pool.submit(_run, name, cmd, logs / (name.replace('/', '_') + '.log'), env) for name, cmd in cases]
-        jobs += [pool.submit(lambda r=r: _run_resume(r, logs, env)) for r in resumes]
-        jobs.append(pool.submit(lambda: _run_pair('precompute/ViT-B-32', compute, verify, logs, env)))
+        jobs = [pool.submit(run) for name, run in runs.items() if name in chosen]
         for job in concurrent.futures.as_completed(jobs):
             record(job.result())
-    for variant in AGGREGATION_VARIANTS:
-        for dtype in (torch.float32, torch.bfloat16):
-            for batch in (12, 2048):
-                record(aggregation_case(variant, dtype, batch, args.device))
-    for k, case in enumerate(TWO_RANK_CASES):
-        record(two_rank_case(case, args.device, 29500 + k))
+    for name, (variant, dtype, batch) in aggregations.items():
+        if name in chosen:
+            record(aggregation_case(variant, dtype, batch, args.device))
+    for k, (name, case) in enumerate(two_ranks.items()):
+        if name in chosen:
+            record(two_rank_case(case, args.device, 29500 + k))
 
     passed = sum(r[1] for r in results)
     summary = dict(device=device_name, torch=torch.__version__, python=platform.python_version(),

@@ -630,3 +630,27 @@ def test_help_describes_a_script_without_running_it(script, tmp_path):
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), '--help'], capture_output=True, text=True,
                             cwd=tmp_path, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith('usage:'), result.stderr[-1000:]
+
+
+def test_gpu_check_runs_only_the_cases_asked_for(tmp_path):
+    """`gpu_check.py --only PREFIX ...` runs the cases whose names start with a prefix, and nothing else (no set-up
+    when no training case is chosen); a prefix that matches nothing is refused by the flag's name."""
+    import gpu_check
+    names = ['train/adnce/amp', 'train/adnce/tiled', 'train/drrho/amp', 'aggregation/adnce/float32/12',
+             'two-ranks/adnce']
+    assert gpu_check.select(names, None) == names
+    assert gpu_check.select(names, ['train/adnce', 'two-ranks/']) == ['train/adnce/amp', 'train/adnce/tiled',
+                                                                      'two-ranks/adnce']
+    with pytest.raises(ValueError, match='train/sogclr matches no case'):
+        gpu_check.select(names, ['train/adnce', 'train/sogclr'])
+    out = tmp_path / 'check'
+    result = subprocess.run([sys.executable, str(BENCHMARKS / 'gpu_check.py'), '--device', 'cpu', '--workdir',
+                             str(tmp_path / 'work'), '--out', str(out), '--only', 'aggregation/adnce/float32/12',
+                             'two-ranks/drrho-sharded'], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.with_suffix('.json').read_text())
+    assert [(c['case'], c['passed']) for c in report['cases']] == [('aggregation/adnce/float32/12', True),
+                                                                   ('two-ranks/drrho-sharded', True)]
+    result = subprocess.run([sys.executable, str(BENCHMARKS / 'gpu_check.py'), '--device', 'cpu', '--workdir',
+                             str(tmp_path / 'work'), '--only', 'trian/'], capture_output=True, text=True)
+    assert result.returncode == 2 and '--only: trian/ matches no case' in result.stderr
