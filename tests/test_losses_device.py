@@ -259,7 +259,8 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
 
 def test_passes_compile_only_where_triton_can(monkeypatch):
     """The aggregations compile their passes on CUDA GPUs that Triton supports and run them eagerly elsewhere, with
-    a warning on a GPU too old for Triton rather than a failed compilation at the first training step."""
+    a warning on a GPU too old for Triton rather than a failed compilation at the first training step, and eagerly
+    everywhere when `TORCH_COMPILE_DISABLE=1` turns compilation off."""
     import importlib.util
     from drrho_openclip.losses import passes
     gpu = torch.device('cuda', 0)
@@ -277,5 +278,7 @@ def test_passes_compile_only_where_triton_can(monkeypatch):
             assert not on((6, 0), True)
         with pytest.warns(UserWarning, match='Triton is not installed'):
             assert not on((8, 0), False)
+        monkeypatch.setenv('TORCH_COMPILE_DISABLE', '1')  # compilation turned off: the eager choices throughout
+        assert not on((9, 0), True)
     finally:
         passes.compiles_for.cache_clear()

@@ -13,6 +13,7 @@ slope (`linear_in_inv_tau`).
 """
 import functools
 import importlib.util
+import os
 import warnings
 
 import torch
@@ -133,9 +134,12 @@ def _compiled(fn):
 @functools.lru_cache(maxsize=None)
 def compiles_for(device: torch.device) -> bool:
     """Whether the passes are compiled on `device`: a CUDA GPU that TorchInductor's code generator, Triton, supports
-    (installed, compute capability 7.0 and up); elsewhere they run eagerly, with the same results. A GPU too old
-    for Triton (a P100, a K80) gets a warning once instead of a failed compilation at the first step."""
-    if device.type != 'cuda':
+    (installed, compute capability 7.0 and up), unless `TORCH_COMPILE_DISABLE=1` turns compilation off; elsewhere
+    they run eagerly, with the same results. A GPU too old for Triton (a P100, a K80) gets a warning once instead of
+    a failed compilation at the first step."""
+    # read as torch reads it: with compilation off the passes run eagerly, and so must what is chosen for eager
+    # passes (the log-weights kept, not recomputed; no start-up message about compiling)
+    if device.type != 'cuda' or os.environ.get('TORCH_COMPILE_DISABLE', '0') == '1':
         return False
     capability = torch.cuda.get_device_capability(device)
     if importlib.util.find_spec('triton') is not None and capability >= (7, 0):
