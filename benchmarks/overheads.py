@@ -13,9 +13,9 @@ Writes `benchmarks/results/overheads[_smoke|_cuda].json` and `.md`. CPU measurem
 whole scheduler time slices, which would swamp the differences measured here.
 
 1. Loss forward + backward, world size 1 (local batch = global batch), of every registered loss (`list_losses()`,
-   or those named by `--losses`) and of `open_clip.loss.ClipLoss` (the yardstick; the registered `clip` is the same class, a sanity check),
-   on unit-norm features of dimension d with `requires_grad`, float32 on CPU, on CUDA bf16 under autocast (what a
-   model under `--precision amp_bf16` hands its loss) or float32 with `--precision fp32`. Each
+   or those named by `--losses`) and of `open_clip.loss.ClipLoss` (the yardstick; the registered `clip` is the same
+   class, a sanity check), on unit-norm features of dimension d with `requires_grad`, float32 on CPU, on CUDA bf16
+   under autocast (what a model under `--precision amp_bf16` hands its loss) or float32 with `--precision fp32`. Each
    loss gets what it reads in training: the sample index (0..B−1) when stateful, reference features (unit-norm,
    dimension d) when its spec requires them; per-sample tables are sized B; tempnet gets embed_dim = d.
    Time: every loss is built once and called once (warm-up); then `--repeats` rounds, each calling every loss once
