@@ -257,6 +257,31 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('steps', [1, 2, 3])
+@pytest.mark.parametrize('whole_batch', [True, False], ids=['one-process', 'rank-block'])
+def test_compiled_balancing_equals_the_eager_one(monkeypatch, whole_batch, steps):
+    """The balanced loss's passes over its b×N matrix, compiled on CUDA like the DRO core's: compiled here for the CPU
+    (no graph break allowed), the values, first normalisers and gradients in d and 1/τ equal the eager ones; one
+    process's two branches on one matrix and its transpose, and a block of rows whose positives sit at an offset."""
+    from drrho_openclip.losses import balanced, passes
+
+    def run(fused):
+        monkeypatch.setattr(passes, 'fused', fused)
+        d = torch.randn(10, 10, generator=torch.Generator().manual_seed(steps)).requires_grad_()
+        inv_tau = torch.tensor(3.0, requires_grad=True)
+        rows, offset = (d, 0) if whole_batch else (d[5:], 5)
+        out = balanced._BalancedAtPositives.apply(rows, inv_tau, steps, 1, offset, whole_batch)
+        values = out[0::2]
+        total = sum((value * torch.linspace(-1, 2, value.numel()) ** (n + 1)).sum() for n, value in enumerate(values))
+        return [t.detach() for t in (*out, *torch.autograd.grad(total, (d, inv_tau)))]
+
+    eager = run(lambda fn, block: fn)
+    torch._dynamo.reset()  # a run compiles each pass once per direction and role: count this case's alone
+    compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_passes_compile_only_where_triton_can(monkeypatch):
     """The aggregations compile their passes on CUDA GPUs that Triton supports and run them eagerly elsewhere, with
     a warning on a GPU too old for Triton rather than a failed compilation at the first training step, and eagerly

@@ -92,14 +92,15 @@ def test_the_warning_does_not_double_the_runs_log_lines(shapes, tmp_path):
 
 
 @pytest.mark.parametrize('loss, compiles, logged', [('drrho', True, True), ('drrho', False, False),
-                                                     ('balanced', True, False)])
+                                                     ('balanced', True, True), ('jest', True, False)])
 def test_the_run_says_when_the_loss_compiles_at_its_first_step(shapes, loss, compiles, logged, monkeypatch, caplog):
-    """On a GPU the DRO losses compile their passes during the first step: the start-up log says so, instead of a
-    silent pause. Losses without those passes (balanced) and devices where they run eagerly log nothing of it."""
+    """On a GPU the DRO losses and the balanced loss compile their passes during the first step: the start-up log
+    says so, instead of a silent pause. Losses without such passes (jest) and devices where they run eagerly log
+    nothing of it."""
     from drrho_openclip.openclip import model as boundary
     monkeypatch.setattr(boundary, 'compiles_for', lambda device: compiles)
     args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss,
-                 *(('--ref-model', shapes['model']) if loss == 'drrho' else ()))
+                 *(('--ref-model', shapes['model']) if loss in ('drrho', 'jest') else ()))
     with caplog.at_level(logging.INFO):
         plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
     assert ('compiled by TorchInductor during the first training step' in caplog.text) == logged

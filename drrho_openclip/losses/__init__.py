@@ -3,7 +3,8 @@ modules of their own where the method is not a DRO over negatives (`clip.py`, `m
 `jest.py`).
 
 The core's parts, one concern per module: `dense.py` and `tiled.py` (the two aggregations, one contract, over the
-passes of `passes.py`, compiled on CUDA GPUs that support it: `compiles_for`),
+passes of `passes.py`, compiled on CUDA GPUs that support it: `compiles_for`; `balanced.py` compiles its own passes
+the same way),
 `temperatures.py` (every temperature source), `state.py` (per-sample tables, their layouts across ranks and their
 checkpoint files), `collectives.py` (every collective, device-checked), `precision.py` (the dtypes the losses
 compute in). `registry.py` names the losses and their options; `family.py` registers them.
@@ -14,6 +15,7 @@ Each loss follows OpenCLIP's call convention:
 and constants are registered buffers: `loss.to(device)` puts all of it on the features' device, where every call
 computes and communicates.
 """
+from .balanced import BalancedClipLoss
 from .core import DROContrastiveLoss
 from .passes import compiles_for
 from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
@@ -27,7 +29,7 @@ from .tiled import DEFAULT_TILE_SIZE
 from . import family  # noqa: F401 - registers the named losses
 
 __all__ = [
-    'DROContrastiveLoss', 'compiles_for', 'FixedTemperature', 'LearnedTemperature', 'LogitScaleTemperature',
+    'BalancedClipLoss', 'DROContrastiveLoss', 'compiles_for', 'FixedTemperature', 'LearnedTemperature', 'LogitScaleTemperature',
     'MovingAverageState', 'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'attached_names',
     'per_sample_tables',
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',

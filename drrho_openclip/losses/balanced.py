@@ -11,39 +11,150 @@ k = 1 is CLIP's loss exactly; k = 2 is the paper's "doubly centered" loss. Gradi
 With reference features, Λ = (S − S^ref)/τ: balancing of the RHO-shifted logits (DRRho-CLIP's ℓ̂ up to terms
 constant along the rows).
 
-Distributed: rows are this rank's anchors, columns the global batch (gathered with gradient); a column step's
-log-sum-exp over all ranks' rows is gathered with gradient too, so value and gradients equal the global loss.
+How it spends its time. A half-step subtracts a normaliser from every row or every column, so after any number of
+them A_t = Λ − R_i − C_j, R and C the sums of the row and column normalisers so far: a branch is k log-sum-exp
+reductions over Λ, and its state two vectors. Forward keeps the one b×N matrix S − S^ref and the k normaliser
+vectors; backward recomputes each step's softmax from them, last step first (∂A_{t+1}/∂A_t subtracts the softmax
+of A_t times the sums of the incoming gradient along that step's direction). Each pass over the matrix is a call
+compiled on CUDA like the DRO core's (`passes.fused`), instead of autograd keeping a float32 b×N matrix per step.
+
+Distributed: rows are this rank's anchors, columns the global batch (the features gathered with gradient); a
+column step's log-sum-exp runs over all ranks' rows, so its normaliser is combined over ranks in forward and the
+sums that backward subtracts along it are summed over ranks: value and gradients equal the global loss's.
 """
 import torch
 from torch import nn
 
+from . import passes
 from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, keep_in_graph
-from .collectives import gather_batch
-from .precision import autocast_disabled, pairwise_dtype, product, similarities
+from .collectives import all_reduce, gather_batch
+from .precision import autocast_disabled, pairwise_dtype, product, similarities, without_autocast
+
+# the dimension a half-step's log-sum-exp runs over: along each row (a row's normaliser), down each column
+ROWS, COLUMNS = 1, 0
 
 
-def column_logsumexp(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """log Σ over the rows of every rank, per column: [1, N]."""
-    rows = x.logsumexp(dim=0, keepdim=True)
-    return gather_batch(rows, world_size, with_grad=True, device=x.device).logsumexp(dim=0, keepdim=True)
+def _directions(first, steps):
+    """The direction of each half-step of a branch that normalises along `first` first."""
+    return [first if step % 2 == 0 else 1 - first for step in range(steps)]
 
 
-def balanced_at_positives(logits: torch.Tensor, steps: int, world_size: int, positives):
-    """(A_k at the positives [b], the first half-step's row normaliser [b]) of this rank's [b, N] rows, the rows
-    normalised first. k − 1 half-steps are taken over the whole matrix; the loss reads A_k only at the positives, so
-    the last one is its normaliser there (a reduction, no k-th b×N matrix kept for backward)."""
-    rows, columns = positives
-    for step in range(steps):
-        if step % 2 == 0:
-            normaliser = logits.logsumexp(dim=1, keepdim=True)
-            if step == 0:
-                first = normaliser[:, 0]
+def _folded(dim, rows, columns, normaliser):
+    """(R, C) with a half-step's normaliser added to the side it normalises."""
+    return (rows + normaliser, columns) if dim == ROWS else (rows, columns + normaliser)
+
+
+def _logits(d, inv_tau, rows, columns):
+    """A = d·inv_tau − R_i − C_j."""
+    if torch.compiler.is_compiling():
+        return d * inv_tau - rows[:, None] - columns
+    return torch.mul(d, inv_tau).sub_(rows[:, None]).sub_(columns)
+
+
+def _normaliser(d, inv_tau, rows, columns, dim):
+    """A half-step's normaliser: the log-sum-exp of A along `dim` (eager: one b×N temporary, worked in place)."""
+    if torch.compiler.is_compiling():
+        return torch.logsumexp(_logits(d, inv_tau, rows, columns), dim=dim)
+    logits = _logits(d, inv_tau, rows, columns)
+    largest = logits.amax(dim=dim, keepdim=True)
+    return logits.sub_(largest).exp_().sum(dim=dim).log_().add_(largest.squeeze(dim))
+
+
+def _step_back(grad, d, inv_tau, rows, columns, dim, weight, upstream, offset, sum_dim):
+    """grad − softmax_dim(A) · weight (broadcast along `dim`), in place; with `grad` None, the last step's: the
+    upstream at the positives (column offset + i of row i) instead of grad. Returns it and, for the step before, its
+    sums along `sum_dim` (None: none, the first step)."""
+    # the step's normaliser is folded into R or C, so its softmax is exp(A)
+    weight = weight[:, None] if dim == ROWS else weight
+    if torch.compiler.is_compiling():
+        step = torch.exp(_logits(d, inv_tau, rows, columns)) * weight
+        if grad is None:
+            grad = torch.where(passes.positive_mask(*d.shape, offset, d.device), upstream[:, None], 0.0) - step
         else:
-            normaliser = column_logsumexp(logits, world_size)
-        if step == steps - 1:
-            at_positives = normaliser[rows, 0] if step % 2 == 0 else normaliser[0, columns]
-            return logits[positives] - at_positives, first
-        logits = logits - normaliser
+            grad.sub_(step)
+    else:
+        step = _logits(d, inv_tau, rows, columns).exp_().mul_(weight)
+        grad = step.neg_() if grad is None else grad.sub_(step)
+        if upstream is not None:
+            grad.diagonal(offset).add_(upstream)
+        del step  # before the sums: no second b×N temporary beside the gradient
+    return grad, None if sum_dim is None else grad.sum(dim=sum_dim)
+
+
+def _forward_branch(d, inv_tau, steps, world_size, offset, first):
+    """(A_k at the positives [b], the k normalisers) of one branch over this rank's b rows of d, anchor i's positive at
+    (i, offset + i), A_0 = d·inv_tau, normalised along `first` first: ROWS for the rows' branch, COLUMNS for the
+    columns' branch of a matrix that holds the whole batch (offset 0). A normaliser down the columns runs over every
+    rank's rows. The last one is read at the positives only."""
+    rows, columns = d.new_zeros(d.shape[0]), d.new_zeros(d.shape[1])
+    normalisers = []
+    for step, dim in enumerate(_directions(first, steps)):
+        normaliser = passes.fused(_normaliser, d)(d, inv_tau, rows, columns, dim)
+        if dim == COLUMNS:
+            normaliser = gather_batch(normaliser[None], world_size, with_grad=False, device=d.device).logsumexp(dim=0)
+        normalisers.append(normaliser)
+        if step < steps - 1:
+            rows, columns = _folded(dim, rows, columns, normaliser)
+    positions = offset + torch.arange(d.shape[0], device=d.device)
+    last = normaliser if dim == ROWS else normaliser[positions]
+    return d.diagonal(offset) * inv_tau - rows - columns[positions] - last, normalisers
+
+
+def _backward_branch(d, inv_tau, normalisers, upstream, world_size, offset, first):
+    """∂/∂Λ of Σ_i upstream_i A_k[i, offset + i], Λ = d·inv_tau, last step first."""
+    directions = _directions(first, len(normalisers))
+    # R and C before each step with that step's normaliser folded in: its softmax is then exp(A)
+    states, rows, columns = [], d.new_zeros(d.shape[0]), d.new_zeros(d.shape[1])
+    for dim, normaliser in zip(directions, normalisers):
+        rows, columns = _folded(dim, rows, columns, normaliser)
+        states.append((rows, columns))
+    weight = upstream
+    if directions[-1] == COLUMNS:  # the last normaliser is a column's: it takes the upstream of its positive's rank
+        weight = d.new_zeros(d.shape[1]).index_copy_(0, offset + torch.arange(d.shape[0], device=d.device), upstream)
+        weight = all_reduce(weight, world_size, d.device)
+    grad = None
+    for step in reversed(range(len(directions))):
+        before = directions[step - 1] if step > 0 else None
+        grad, weight = passes.fused(_step_back, d)(grad, d, inv_tau, *states[step], directions[step], weight,
+                                                   upstream if grad is None else None, offset, before)
+        if before == COLUMNS:  # the sums down a column run over every rank's rows
+            weight = all_reduce(weight, world_size, d.device)
+    return grad
+
+
+class _BalancedAtPositives(torch.autograd.Function):
+    """(A_k at the positives [b], the first half-step's normalisers [b]) of the rows' branch of d, and with
+    `transposed` also of its columns' branch (one process holds the whole batch: the text rows' matrix is the image
+    rows' transposed, offset 0). Differentiable in d and inv_tau (0-dim)."""
+
+    @staticmethod
+    def forward(ctx, d, inv_tau, steps, world_size, offset, transposed):
+        branches = (ROWS, COLUMNS) if transposed else (ROWS,)
+        outputs, saved = [], []
+        with autocast_disabled(d.device):
+            for first in branches:
+                value, normalisers = _forward_branch(d, inv_tau, steps, world_size, offset, first)
+                outputs += [value, normalisers[0].clone()]
+                saved += normalisers
+        ctx.save_for_backward(d, inv_tau, *saved)
+        ctx.world_size, ctx.offset, ctx.steps, ctx.branches = world_size, offset, steps, branches
+        ctx.mark_non_differentiable(*outputs[1::2])
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @without_autocast
+    def backward(ctx, *upstreams):
+        d, inv_tau, *normalisers = ctx.saved_tensors
+        steps, grad = ctx.steps, None
+        for n, first in enumerate(ctx.branches):
+            branch = _backward_branch(d, inv_tau, normalisers[n * steps:(n + 1) * steps],
+                                      upstreams[2 * n].contiguous(), ctx.world_size, ctx.offset, first)
+            grad = branch if grad is None else grad.add_(branch)
+            del branch
+        # Λ = d·inv_tau; a dot product, no b×N temporary
+        grad_inv_tau = torch.dot(grad.reshape(-1), d.reshape(-1)) if ctx.needs_input_grad[1] else None
+        return grad.mul_(inv_tau), grad_inv_tau, None, None, None, None
 
 
 class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
@@ -72,7 +183,7 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             image, text = image_features.to(dtype), text_features.to(dtype)
             all_image = gather_batch(image, self.world_size, with_grad=True, device=device)
             all_text = gather_batch(text, self.world_size, with_grad=True, device=device)
-            # one process holds the whole batch: the text rows' logits are the image rows' transposed
+            # one process holds the whole batch: the text rows' similarities are the image rows' transposed
             whole_batch = self.world_size == 1
             sim_image = similarities(image, all_text)
             sim_text = None if whole_batch else similarities(text, all_image)
@@ -82,20 +193,25 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             if self.use_reference:
                 ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)
-                sim_image = sim_image - product(ref_image, all_ref_text.T)
+                sim_image = sim_image.sub_(product(ref_image, all_ref_text.T))
                 if not whole_batch:
                     all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False, device=device)
-                    sim_text = sim_text - product(ref_text, all_ref_image.T)
-            logits_image = sim_image / tau
-            logits_text = logits_image.T if whole_batch else sim_text / tau
-            rows = torch.arange(logits_image.shape[0], device=logits_image.device)
-            positives = (rows, rows + self.rank * logits_image.shape[0])
-            p, lse_image = balanced_at_positives(logits_image, self.steps, self.world_size, positives)
-            q, lse_text = balanced_at_positives(logits_text, self.steps, self.world_size, positives)
+                    sim_text = sim_text.sub_(product(ref_text, all_ref_image.T))
+            inv_tau = 1 / tau.reshape(())
+            offset = self.rank * sim_image.shape[0]
+            if whole_batch:
+                p, lse_image, q, lse_text = _BalancedAtPositives.apply(sim_image, inv_tau, self.steps, 1, 0, True)
+                sim_text = sim_image.T
+            else:
+                p, lse_image = _BalancedAtPositives.apply(sim_image, inv_tau, self.steps, self.world_size, offset,
+                                                          False)
+                q, lse_text = _BalancedAtPositives.apply(sim_text, inv_tau, self.steps, self.world_size, offset,
+                                                         False)
             loss = -(p + q).mean() / 2
             if self.training:  # for metrics()
                 with torch.no_grad():  # CLIP's loss (k = 1) alongside: k ≥ 2 collapsing towards 0 alone is the warning
                     # the first half-step's row normalisers are CLIP's log-softmax denominators
-                    clip = -((logits_image[positives] - lse_image) + (logits_text[positives] - lse_text)).mean() / 2
+                    positives = (sim_image.diagonal(offset) + sim_text.diagonal(offset)) * inv_tau
+                    clip = -(positives - lse_image - lse_text).mean() / 2
                 self._last = {'clip_loss': clip, 'tau': tau.detach()}
         return {'contrastive_loss': loss} if output_dict else loss

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from ..losses import (AUTO, DEFAULT_TILE_SIZE, DROContrastiveLoss, LogitScaleTemperature, attach_to_model, compiles_for,
-                      create_loss as build, get_loss_spec)
+from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveLoss, LogitScaleTemperature,
+                      attach_to_model, compiles_for, create_loss as build, get_loss_spec)
 from .checkpoints import check_resumed_loss
 from .reference import OnlineReference
 from .run import Run
@@ -72,7 +72,8 @@ def configure_model(run: Run, model, args):
         logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
                      f"with it)")
     loss.to(device)  # the attached modules are the loss's own: they move with it
-    if isinstance(loss, DROContrastiveLoss) and compiles_for(device):  # else a silent pause at the first step
+    compiled = isinstance(loss, (DROContrastiveLoss, BalancedClipLoss)) and compiles_for(device)
+    if compiled:  # else a silent pause at the first step
         logging.info("drrho-openclip: the loss's passes over the pairwise matrix are compiled by TorchInductor during "
                      "the first training step (once per run, some seconds; TORCH_COMPILE_DISABLE=1 runs them eagerly)")
     if args.ref_model is not None:
