@@ -44,11 +44,17 @@ def _folded(dim, rows, columns, normaliser):
     return (rows + normaliser, columns) if dim == ROWS else (rows, columns + normaliser)
 
 
+def _no_normalisers(d):
+    """(R, C) before the first half-step: zeros (made without reading d)."""
+    return (torch.zeros(d.shape[0], dtype=d.dtype, device=d.device),
+            torch.zeros(d.shape[1], dtype=d.dtype, device=d.device))
+
+
 def _logits(d, inv_tau, rows, columns):
     """A = d·inv_tau − R_i − C_j."""
     if torch.compiler.is_compiling():
         return d * inv_tau - rows[:, None] - columns
-    return torch.mul(d, inv_tau).sub_(rows[:, None]).sub_(columns)
+    return torch.addcmul(-rows[:, None], d, inv_tau).sub_(columns)
 
 
 def _normaliser(d, inv_tau, rows, columns, dim):
@@ -73,11 +79,11 @@ def _step_back(grad, d, inv_tau, rows, columns, dim, weight, upstream, offset, s
         else:
             grad.sub_(step)
     else:
-        step = _logits(d, inv_tau, rows, columns).exp_().mul_(weight)
-        grad = step.neg_() if grad is None else grad.sub_(step)
+        softmax = _logits(d, inv_tau, rows, columns).exp_()
+        grad = softmax.mul_(-weight) if grad is None else grad.addcmul_(softmax, weight, value=-1)
         if upstream is not None:
             grad.diagonal(offset).add_(upstream)
-        del step  # before the sums: no second b×N temporary beside the gradient
+        del softmax  # before the sums: no second b×N temporary beside the gradient
     return grad, None if sum_dim is None else grad.sum(dim=sum_dim)
 
 
@@ -86,7 +92,7 @@ def _forward_branch(d, inv_tau, steps, world_size, offset, first):
     (i, offset + i), A_0 = d·inv_tau, normalised along `first` first: ROWS for the rows' branch, COLUMNS for the
     columns' branch of a matrix that holds the whole batch (offset 0). A normaliser down the columns runs over every
     rank's rows. The last one is read at the positives only."""
-    rows, columns = d.new_zeros(d.shape[0]), d.new_zeros(d.shape[1])
+    rows, columns = _no_normalisers(d)
     normalisers = []
     for step, dim in enumerate(_directions(first, steps)):
         normaliser = passes.fused(_normaliser, d)(d, inv_tau, rows, columns, dim)
@@ -104,13 +110,14 @@ def _backward_branch(d, inv_tau, normalisers, upstream, world_size, offset, firs
     """∂/∂Λ of Σ_i upstream_i A_k[i, offset + i], Λ = d·inv_tau, last step first."""
     directions = _directions(first, len(normalisers))
     # R and C before each step with that step's normaliser folded in: its softmax is then exp(A)
-    states, rows, columns = [], d.new_zeros(d.shape[0]), d.new_zeros(d.shape[1])
+    states, (rows, columns) = [], _no_normalisers(d)
     for dim, normaliser in zip(directions, normalisers):
         rows, columns = _folded(dim, rows, columns, normaliser)
         states.append((rows, columns))
     weight = upstream
     if directions[-1] == COLUMNS:  # the last normaliser is a column's: it takes the upstream of its positive's rank
-        weight = d.new_zeros(d.shape[1]).index_copy_(0, offset + torch.arange(d.shape[0], device=d.device), upstream)
+        weight = torch.zeros(d.shape[1], dtype=d.dtype, device=d.device).index_copy_(
+            0, offset + torch.arange(d.shape[0], device=d.device), upstream)
         weight = all_reduce(weight, world_size, d.device)
     grad = None
     for step in reversed(range(len(directions))):
