@@ -4,6 +4,7 @@ GPU, precompute with a ViT-B-32-sized model, and the collectives' device discipl
     python benchmarks/gpu_check.py                          # on a machine with a CUDA GPU
     python benchmarks/gpu_check.py --device cpu --quick     # the same checks on the CPU (fp32, gloo): tries the script
     python benchmarks/gpu_check.py --only train/adnce aggregation/adnce two-ranks/adnce   # the cases of one loss
+    python benchmarks/gpu_check.py --only train/balanced aggregation/balanced two-ranks/balanced
 
 Cases (each passes or fails on its own; the exit status is 0 only if every case passed):
 - train/LOSS/PRECISION: every registered loss, `--precision amp_bf16` and `amp` (fp32 on the CPU), 2 epochs of a
@@ -16,7 +17,8 @@ Cases (each passes or fails on its own; the exit status is 0 only if every case 
   against the same aggregation run eagerly in float64 on the CPU from the same (dtype-rounded) features: values, and
   the gradients of the features and of 1/τ (untiled: plain, with the reference shift, per-anchor τ, ADNCE's
   log-weights, a rank's block of a larger batch; tiled in three column tiles: the shift, ADNCE, a rank's block;
-  float32 and bf16 features; batch 12 and 2048);
+  float32 and bf16 features; batch 12 and 2048); the same for the balanced loss's half-steps (aggregation/balanced-…:
+  both branches with the reference shift, k = 3, a rank's block of rows);
 - two-ranks/...: two processes on one GPU in a `cuda:gloo` process group, which, like NCCL, rejects a CPU tensor in
   any collective (NCCL itself refuses two ranks on one GPU); each rank holds half of a global batch on the device,
   and the loss value, the features' gradients and the per-sample state must equal one process with the whole batch.
@@ -210,14 +212,16 @@ def two_rank_case(case, device, port):
         return f'two-ranks/{case}', False, time.perf_counter() - start, f'{type(error).__name__}: {error}'
 
 
-# the untiled aggregation, and the tiled one ('tiled-…': three column tiles, the last narrower) on the same inputs
+# the untiled aggregation, the tiled one ('tiled-…': three column tiles, the last narrower) on the same inputs, and
+# the balanced loss's half-steps ('balanced-…': k = 2 unless k3; a rank-block's columns normalised over its rows)
 AGGREGATION_VARIANTS = ('plain', 'reference', 'per-anchor-tau', 'adnce', 'rank-block',
-                        'tiled-reference', 'tiled-adnce', 'tiled-rank-block')
+                        'tiled-reference', 'tiled-adnce', 'tiled-rank-block',
+                        'balanced-reference', 'balanced-k3', 'balanced-rank-block')
 
 
 def _aggregation_inputs(variant, batch, dtype, seed):
     """(args, kwargs) of an aggregation in `dtype` on the CPU, every tensor a leaf; 1/τ float32 or wider."""
-    variant = variant.removeprefix('tiled-')
+    variant = variant.removeprefix('tiled-').removeprefix('balanced-')
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(seed)
     unit = lambda: F.normalize(torch.randn(batch, 64, generator=g, dtype=torch.float64), dim=1).to(dtype)
@@ -259,6 +263,29 @@ def _aggregate(args, kwargs, variant, device, dtype):
     return [t.detach().cpu().double() for t in (*out, *grads)]
 
 
+def _balance(args, kwargs, variant, device, dtype):
+    """(A_k at the positives of the image and text branches, gradients of image, text and 1/τ) of the balanced
+    loss's half-steps on `device`, features in `dtype`, from the same products as the loss."""
+    from drrho_openclip.losses.balanced import balance_at_positives
+    from drrho_openclip.losses.precision import product, similarities
+    image, text, inv_tau = leaves = [a.detach().to(device, dtype if a.dim() == 2 else torch.promote_types(
+        dtype, torch.float32)).requires_grad_() for a in args[:3]]
+    steps = 3 if variant == 'balanced-k3' else 2
+    if variant == 'balanced-rank-block':  # rank 1 of 2's rows, its columns' normalisers over its own rows alone
+        half = image.shape[0] // 2
+        values = balance_at_positives(similarities(image[half:], text), inv_tau, steps, offset=half)[:1]
+    else:
+        d = similarities(image, text)
+        if 'reference' in kwargs:
+            ref_image, ref_text = (r.to(device, dtype) for r in kwargs['reference'])
+            d = d - product(ref_image, ref_text.T)
+        values = balance_at_positives(d, inv_tau, steps, transposed=True)[0::2]
+    upstream = torch.linspace(-1, 2, values[0].numel(), device=device, dtype=values[0].dtype)
+    grads = torch.autograd.grad(sum((value * upstream.flip(0) ** n).sum() for n, value in enumerate(values)),
+                                leaves)
+    return [t.detach().cpu().double() for t in (*values, *grads)]
+
+
 def aggregation_name(variant, dtype, batch):
     return f"aggregation/{variant}/{str(dtype).removeprefix('torch.')}/{batch}"
 
@@ -269,17 +296,19 @@ def aggregation_case(variant, dtype, batch, device):
     torch._dynamo.reset()  # every case compiled afresh (past dynamo's recompile limit it would run eagerly)
     try:
         args, kwargs = _aggregation_inputs(variant, batch, dtype, seed=batch)
-        on_device = _aggregate(args, kwargs, variant, device, dtype)
-        exact = _aggregate(args, kwargs, variant, 'cpu', torch.float64)
+        run = _balance if variant.startswith('balanced-') else _aggregate
+        on_device = run(args, kwargs, variant, device, dtype)
+        exact = run(args, kwargs, variant, 'cpu', torch.float64)
         # values: the same rounded inputs, float32 arithmetic, except that a device without a float32-output
         # 16-bit product (the CPU) rounds the similarities to bf16; gradients: bf16 ones are rounded to bf16
         from drrho_openclip.losses.precision import _has_float32_output_mm
         exact_products = dtype == torch.float32 or _has_float32_output_mm(torch.device(device))
         tolerances = (1e-4 if exact_products else 1e-2, 1e-4 if dtype == torch.float32 else 2e-2)
+        values = len(on_device) - 3 if run is _balance else 2  # the rest are gradients
         for k, (got, want) in enumerate(zip(on_device, exact)):
             error = ((got - want).norm() / want.norm()).item()
-            if not error <= tolerances[k >= 2]:  # NaN fails too
-                raise AssertionError(f"output {k}: relative error {error:.2e} > {tolerances[k >= 2]:.0e}")
+            if not error <= tolerances[k >= values]:  # NaN fails too
+                raise AssertionError(f"output {k}: relative error {error:.2e} > {tolerances[k >= values]:.0e}")
         return name, True, time.perf_counter() - start, ''
     except Exception as error:  # noqa: BLE001 - every case reports on its own
         return name, False, time.perf_counter() - start, f'{type(error).__name__}: {error}'

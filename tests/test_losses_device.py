@@ -270,7 +270,7 @@ def test_compiled_balancing_equals_the_eager_one(monkeypatch, whole_batch, steps
         d = torch.randn(10, 10, generator=torch.Generator().manual_seed(steps)).requires_grad_()
         inv_tau = torch.tensor(3.0, requires_grad=True)
         rows, offset = (d, 0) if whole_batch else (d[5:], 5)
-        out = balanced._BalancedAtPositives.apply(rows, inv_tau, steps, 1, offset, whole_batch)
+        out = balanced.balance_at_positives(rows, inv_tau, steps, offset=offset, transposed=whole_batch)
         values = out[0::2]
         total = sum((value * torch.linspace(-1, 2, value.numel()) ** (n + 1)).sum() for n, value in enumerate(values))
         return [t.detach() for t in (*out, *torch.autograd.grad(total, (d, inv_tau)))]

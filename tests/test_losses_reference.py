@@ -501,6 +501,22 @@ def test_balanced(k, with_ref):
         assert_close(out, ClipLoss()(image, text, logit_scale))
 
 
+@pytest.mark.parametrize('k', [2, 3])
+def test_balanced_in_float32_at_a_large_batch(k):
+    """Float32 at batch 2048: the value and every gradient within 1e-5 of float64, the temperature's too (a sum of
+    b×N products, which a float32 dot product rounds about 30 times more than a tree-summed reduction)."""
+    g = torch.Generator().manual_seed(k)
+    image, text = (F.normalize(torch.randn(2048, 64, generator=g, **F64), dim=1) for _ in range(2))
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        leaves = [image.to(dtype).requires_grad_(), text.to(dtype).requires_grad_(),
+                  torch.tensor(20.0, dtype=dtype, requires_grad=True)]
+        out = create_loss('balanced', balance_steps=k)(*leaves)
+        results.append([t.double() for t in (out, *torch.autograd.grad(out, leaves))])
+    for got, want in zip(results[1], results[0]):
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # JEST (seed 001 §6.2, C.2)
 

@@ -17,6 +17,8 @@ reductions over Λ, and its state two vectors. Forward keeps the one b×N matrix
 vectors; backward recomputes each step's softmax from them, last step first (∂A_{t+1}/∂A_t subtracts the softmax
 of A_t times the sums of the incoming gradient along that step's direction). Each pass over the matrix is a call
 compiled on CUDA like the DRO core's (`passes.fused`), instead of autograd keeping a float32 b×N matrix per step.
+When one process holds the whole batch, the text rows' matrix is the image rows' transposed: both branches run over
+the one matrix, the text branch normalising its columns first, and their gradients are summed in place.
 
 Distributed: rows are this rank's anchors, columns the global batch (the features gathered with gradient); a
 column step's log-sum-exp runs over all ranks' rows, so its normaliser is combined over ranks in forward and the
@@ -85,6 +87,14 @@ def _step_back(grad, d, inv_tau, rows, columns, dim, weight, upstream, offset, s
             grad.diagonal(offset).add_(upstream)
         del softmax  # before the sums: no second b×N temporary beside the gradient
     return grad, None if sum_dim is None else grad.sum(dim=sum_dim)
+
+
+def _summed_product(grad, d, rows=256):
+    """Σ grad ⊙ d, summed as a tree (a float32 dot product accumulates enough rounding over b×N terms to move τ's
+    gradient in its fourth digit); eagerly by blocks of `rows` rows, so no b×N temporary."""
+    if torch.compiler.is_compiling():
+        return (grad * d).sum()
+    return sum((block * d_block).sum() for block, d_block in zip(grad.split(rows), d.split(rows)))
 
 
 def _forward_branch(d, inv_tau, steps, world_size, offset, first):
@@ -159,9 +169,18 @@ class _BalancedAtPositives(torch.autograd.Function):
                                       upstreams[2 * n].contiguous(), ctx.world_size, ctx.offset, first)
             grad = branch if grad is None else grad.add_(branch)
             del branch
-        # Λ = d·inv_tau; a dot product, no b×N temporary
-        grad_inv_tau = torch.dot(grad.reshape(-1), d.reshape(-1)) if ctx.needs_input_grad[1] else None
+        # Λ = d·inv_tau
+        grad_inv_tau = passes.fused(_summed_product, d)(grad, d) if ctx.needs_input_grad[1] else None
         return grad.mul_(inv_tau), grad_inv_tau, None, None, None, None
+
+
+def balance_at_positives(d, inv_tau, steps, world_size=1, offset=0, transposed=False):
+    """k = `steps` half-steps of the coupling exp(d·inv_tau) over this rank's rows of d [b, N] (the global batch's
+    columns; anchor i's positive at column offset + i), read at the positives: (A_k at the positives [b], the first
+    half-step's normalisers [b], not differentiable), the rows normalised first; with `transposed` (one process,
+    offset 0) also the same two of the columns' branch, normalised down the columns first. Differentiable in d
+    and inv_tau (a 0-dim tensor)."""
+    return _BalancedAtPositives.apply(d, inv_tau, steps, world_size, offset, transposed)
 
 
 class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
@@ -207,13 +226,11 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             inv_tau = 1 / tau.reshape(())
             offset = self.rank * sim_image.shape[0]
             if whole_batch:
-                p, lse_image, q, lse_text = _BalancedAtPositives.apply(sim_image, inv_tau, self.steps, 1, 0, True)
+                p, lse_image, q, lse_text = balance_at_positives(sim_image, inv_tau, self.steps, transposed=True)
                 sim_text = sim_image.T
             else:
-                p, lse_image = _BalancedAtPositives.apply(sim_image, inv_tau, self.steps, self.world_size, offset,
-                                                          False)
-                q, lse_text = _BalancedAtPositives.apply(sim_text, inv_tau, self.steps, self.world_size, offset,
-                                                         False)
+                p, lse_image = balance_at_positives(sim_image, inv_tau, self.steps, self.world_size, offset)
+                q, lse_text = balance_at_positives(sim_text, inv_tau, self.steps, self.world_size, offset)
             loss = -(p + q).mean() / 2
             if self.training:  # for metrics()
                 with torch.no_grad():  # CLIP's loss (k = 1) alongside: k ≥ 2 collapsing towards 0 alone is the warning
