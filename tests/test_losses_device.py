@@ -257,7 +257,7 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('steps', [1, 2, 3])
+@pytest.mark.parametrize('steps', [1, 2, 3, 4])
 @pytest.mark.parametrize('whole_batch', [True, False], ids=['one-process', 'rank-block'])
 def test_compiled_balancing_equals_the_eager_one(monkeypatch, whole_batch, steps):
     """The balanced loss's passes over its b×N matrix, compiled on CUDA like the DRO core's: compiled here for the CPU

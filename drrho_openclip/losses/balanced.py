@@ -68,25 +68,33 @@ def _normaliser(d, inv_tau, rows, columns, dim):
     return logits.sub_(largest).exp_().sum(dim=dim).log_().add_(largest.squeeze(dim))
 
 
-def _step_back(grad, d, inv_tau, rows, columns, dim, weight, upstream, offset, sum_dim):
-    """grad − softmax_dim(A) · weight (broadcast along `dim`), in place; with `grad` None, the last step's: the
-    upstream at the positives (column offset + i of row i) instead of grad. Returns it and, for the step before, its
-    sums along `sum_dim` (None: none, the first step)."""
-    # the step's normaliser is folded into R or C, so its softmax is exp(A)
+def _sums(grad, sum_dim):
+    """(grad, its sums along `sum_dim` for the step before; None for the first step, which has none before it)."""
+    return grad, None if sum_dim is None else grad.sum(dim=sum_dim)
+
+
+def _last_step_back(d, inv_tau, rows, columns, dim, weight, upstream, offset, sum_dim):
+    """The last half-step's gradient: the upstream at the positives (column offset + i of row i) minus
+    softmax_dim(A) · weight (broadcast along `dim`), and `_sums`. The step's normaliser is folded into R or C, so its
+    softmax is exp(A)."""
     weight = weight[:, None] if dim == ROWS else weight
     if torch.compiler.is_compiling():
-        step = torch.exp(_logits(d, inv_tau, rows, columns)) * weight
-        if grad is None:
-            grad = torch.where(passes.positive_mask(*d.shape, offset, d.device), upstream[:, None], 0.0) - step
-        else:
-            grad.sub_(step)
-    else:
-        softmax = _logits(d, inv_tau, rows, columns).exp_()
-        grad = softmax.mul_(-weight) if grad is None else grad.addcmul_(softmax, weight, value=-1)
-        if upstream is not None:
-            grad.diagonal(offset).add_(upstream)
-        del softmax  # before the sums: no second b×N temporary beside the gradient
-    return grad, None if sum_dim is None else grad.sum(dim=sum_dim)
+        positives = torch.where(passes.positive_mask(*d.shape, offset, d.device), upstream[:, None], 0.0)
+        return _sums(positives - torch.exp(_logits(d, inv_tau, rows, columns)) * weight, sum_dim)
+    grad = _logits(d, inv_tau, rows, columns).exp_().mul_(-weight)
+    grad.diagonal(offset).add_(upstream)
+    return _sums(grad, sum_dim)
+
+
+def _step_back(grad, d, inv_tau, rows, columns, dim, weight, sum_dim):
+    """grad − softmax_dim(A) · weight, in place, and `_sums` (as `_last_step_back`)."""
+    weight = weight[:, None] if dim == ROWS else weight
+    if torch.compiler.is_compiling():
+        return _sums(grad.sub_(torch.exp(_logits(d, inv_tau, rows, columns)) * weight), sum_dim)
+    softmax = _logits(d, inv_tau, rows, columns).exp_()
+    grad.addcmul_(softmax, weight, value=-1)
+    del softmax  # before the sums: no second b×N temporary beside the gradient
+    return _sums(grad, sum_dim)
 
 
 def _summed_product(grad, d, rows=256):
@@ -129,11 +137,14 @@ def _backward_branch(d, inv_tau, normalisers, upstream, world_size, offset, firs
         weight = torch.zeros(d.shape[1], dtype=d.dtype, device=d.device).index_copy_(
             0, offset + torch.arange(d.shape[0], device=d.device), upstream)
         weight = all_reduce(weight, world_size, d.device)
-    grad = None
     for step in reversed(range(len(directions))):
         before = directions[step - 1] if step > 0 else None
-        grad, weight = passes.fused(_step_back, d)(grad, d, inv_tau, *states[step], directions[step], weight,
-                                                   upstream if grad is None else None, offset, before)
+        if step == len(directions) - 1:  # one compiled variant per role and direction, for any k
+            grad, weight = passes.fused(_last_step_back, d)(d, inv_tau, *states[step], directions[step], weight,
+                                                            upstream, offset, before)
+        else:
+            grad, weight = passes.fused(_step_back, d)(grad, d, inv_tau, *states[step], directions[step], weight,
+                                                       before)
         if before == COLUMNS:  # the sums down a column run over every rank's rows
             weight = all_reduce(weight, world_size, d.device)
     return grad
