@@ -238,6 +238,15 @@ def _aggregation_inputs(variant, batch, dtype, seed):
     return (image, text, inv_tau_image, inv_tau_text), kwargs
 
 
+def _on_device(args, kwargs, device, dtype):
+    """The inputs of a case on `device`: `args` as leaves (features in `dtype`, 1/τ float32 or wider) and the
+    reference features (ref_image, ref_text) in `dtype`, or None."""
+    leaves = [a.detach().to(device, dtype if a.dim() == 2 else torch.promote_types(dtype, torch.float32))
+              .requires_grad_() for a in args]
+    reference = tuple(r.to(device, dtype) for r in kwargs['reference']) if 'reference' in kwargs else None
+    return leaves, reference
+
+
 def _aggregate(args, kwargs, variant, device, dtype):
     """(log g image, log g text, gradients of image, text, 1/τ image, 1/τ text) on `device`, features in `dtype`."""
     from drrho_openclip.losses.dense import dense_aggregate
@@ -245,13 +254,10 @@ def _aggregate(args, kwargs, variant, device, dtype):
     aggregate = dense_aggregate
     if variant.startswith('tiled-'):
         aggregate, variant = make_tiled_aggregate(args[0].shape[0] // 3 + 1), variant.removeprefix('tiled-')
-    leaves = [a.detach().to(device, dtype if a.dim() == 2 else torch.promote_types(dtype, torch.float32))
-              .requires_grad_() for a in args]
+    leaves, reference = _on_device(args, kwargs, device, dtype)
     image, text, inv_tau_image, inv_tau_text = leaves
-    reference = None
-    if 'reference' in kwargs:
-        ref_image, ref_text = (r.to(device, dtype) for r in kwargs['reference'])
-        reference = (ref_image, ref_text, ref_image, ref_text)
+    if reference is not None:
+        reference = (*reference, *reference)  # one process: its anchors are the candidates
     if variant == 'rank-block':  # rank 1 of 2: the second half of the anchors against the whole batch
         half = image.shape[0] // 2
         out = aggregate(image[half:], text[half:], image, text, half, inv_tau_image, inv_tau_text)
@@ -268,17 +274,16 @@ def _balance(args, kwargs, variant, device, dtype):
     loss's half-steps on `device`, features in `dtype`, from the same products as the loss."""
     from drrho_openclip.losses.balanced import balance_at_positives
     from drrho_openclip.losses.precision import product, similarities
-    image, text, inv_tau = leaves = [a.detach().to(device, dtype if a.dim() == 2 else torch.promote_types(
-        dtype, torch.float32)).requires_grad_() for a in args[:3]]
+    leaves, reference = _on_device(args[:3], kwargs, device, dtype)
+    image, text, inv_tau = leaves
     steps = 3 if variant == 'balanced-k3' else 2
     if variant == 'balanced-rank-block':  # rank 1 of 2's rows, its columns' normalisers over its own rows alone
         half = image.shape[0] // 2
         values = balance_at_positives(similarities(image[half:], text), inv_tau, steps, offset=half)[:1]
     else:
         d = similarities(image, text)
-        if 'reference' in kwargs:
-            ref_image, ref_text = (r.to(device, dtype) for r in kwargs['reference'])
-            d = d - product(ref_image, ref_text.T)
+        if reference is not None:
+            d = d - product(reference[0], reference[1].T)
         values = balance_at_positives(d, inv_tau, steps, transposed=True)[0::2]
     upstream = torch.linspace(-1, 2, values[0].numel(), device=device, dtype=values[0].dtype)
     grads = torch.autograd.grad(sum((value * upstream.flip(0) ** n).sum() for n, value in enumerate(values)),

@@ -29,8 +29,8 @@ from .tiled import DEFAULT_TILE_SIZE
 from . import family  # noqa: F401 - registers the named losses
 
 __all__ = [
-    'BalancedClipLoss', 'DROContrastiveLoss', 'compiles_for', 'FixedTemperature', 'LearnedTemperature', 'LogitScaleTemperature',
-    'MovingAverageState', 'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'attached_names',
+    'BalancedClipLoss', 'DROContrastiveLoss', 'compiles_for', 'FixedTemperature', 'LearnedTemperature',
+    'LogitScaleTemperature', 'MovingAverageState', 'PerSampleTemperature', 'TempNetTemperature', 'attach_to_model', 'attached_names',
     'per_sample_tables',
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',
     'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'load_state_shards', 'save_state_shards',

@@ -79,11 +79,10 @@ def _last_step_back(d, inv_tau, rows, columns, dim, weight, upstream, offset, su
     softmax is exp(A)."""
     weight = weight[:, None] if dim == ROWS else weight
     if torch.compiler.is_compiling():
-        positives = torch.where(passes.positive_mask(*d.shape, offset, d.device), upstream[:, None], 0.0)
-        return _sums(positives - torch.exp(_logits(d, inv_tau, rows, columns)) * weight, sum_dim)
-    grad = _logits(d, inv_tau, rows, columns).exp_().mul_(-weight)
-    grad.diagonal(offset).add_(upstream)
-    return _sums(grad, sum_dim)
+        grad = -torch.exp(_logits(d, inv_tau, rows, columns)) * weight
+    else:
+        grad = _logits(d, inv_tau, rows, columns).exp_().mul_(-weight)
+    return _sums(passes.set_positives(grad, offset, grad.diagonal(offset) + upstream), sum_dim)
 
 
 def _step_back(grad, d, inv_tau, rows, columns, dim, weight, sum_dim):

@@ -72,8 +72,7 @@ def configure_model(run: Run, model, args):
         logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
                      f"with it)")
     loss.to(device)  # the attached modules are the loss's own: they move with it
-    compiled = isinstance(loss, (DROContrastiveLoss, BalancedClipLoss)) and compiles_for(device)
-    if compiled:  # else a silent pause at the first step
+    if isinstance(loss, (DROContrastiveLoss, BalancedClipLoss)) and compiles_for(device):  # else a silent pause
         logging.info("drrho-openclip: the loss's passes over the pairwise matrix are compiled by TorchInductor during "
                      "the first training step (once per run, some seconds; TORCH_COMPILE_DISABLE=1 runs them eagerly)")
     if args.ref_model is not None:
