@@ -13,7 +13,7 @@ set -euo pipefail
 LOSS=${LOSS:-drrho}                                    # any name that `--loss` accepts
 MODEL=${MODEL:-ViT-B-32}
 TRAIN_DATA=${TRAIN_DATA:-"/data/cc3m/shards/{00000..00331}.tar"}
-TRAIN_NUM_SAMPLES=${TRAIN_NUM_SAMPLES:-2818102}        # empty: let OpenCLIP read the shards' sizes
+TRAIN_NUM_SAMPLES=${TRAIN_NUM_SAMPLES-2818102}        # empty: let OpenCLIP read the shards' sizes
 REF_FEATURES=${REF_FEATURES-/data/cc3m/ref_features}   # set empty for a loss that uses no reference features
 SAMPLE_INDEX=${SAMPLE_INDEX-}                          # WebDataset, a stateful loss without REF_FEATURES: a store of
                                                        # the shards' keys (drrho-openclip-features --keys-only)

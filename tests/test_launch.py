@@ -103,6 +103,14 @@ def test_torchrun_train_is_standalone():
     assert '--sample-index' not in args  # only when SAMPLE_INDEX is set
 
 
+@pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
+def test_an_empty_sample_count_lets_openclip_read_the_shards_sizes(script):
+    """TRAIN_NUM_SAMPLES set empty, as the scripts say, drops --train-num-samples (unset: the script's example)."""
+    assert '--train-num-samples' not in training_args(printed_command(script, TRAIN_NUM_SAMPLES=''))
+    assert option(training_args(printed_command(script, TRAIN_NUM_SAMPLES='1000')), '--train-num-samples') == '1000'
+    assert '--train-num-samples' in training_args(printed_command(script))
+
+
 @pytest.mark.parametrize('script', ['torchrun_train.sh', 'torchrun_precompute.sh'])
 def test_one_process_per_gpu_without_a_gpu_says_what_to_set(script):
     """NPROC's default, one process per visible GPU, with none visible: torchrun's own message was a traceback."""
