@@ -1,8 +1,9 @@
 """The training data as files: a CSV file or WebDataset shards, as OpenCLIP reads them, named as the feature store
 names its shards. What the store's commands (precompute, import, verify) and the training flags share."""
+import hashlib
 import logging
 import os
-from typing import Optional, Tuple
+from typing import Iterable, Optional, Tuple
 from urllib.parse import urlparse
 
 import braceexpand
@@ -106,6 +107,34 @@ def check_csv_columns(args, keys):
 def read_csv(args):
     check_csv_columns(args, (args.csv_img_key, args.csv_caption_key))
     return pd.read_csv(args.train_data, sep=args.csv_separator)
+
+
+def sha256_of(texts: Iterable) -> str:
+    """A fingerprint of strings in order (each as str, NUL-terminated: ['ab', 'c'] and ['a', 'bc'] differ)."""
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(str(text).encode() + b'\0')
+    return digest.hexdigest()
+
+
+def caption_digests(args) -> dict:
+    """{store shard name: `sha256_of` its captions} of a CSV (the --csv-caption-key column, as OpenCLIP's CsvDataset
+    reads it), {} for WebDataset, whose captions live in the tar files the store's sizes describe. A store records
+    them: the same image paths with other captions (another caption column, an edited file) would otherwise read
+    text features of other texts."""
+    if args.dataset_type != 'csv':
+        return {}
+    return {shard_name(args.train_data): sha256_of(read_csv(args)[args.csv_caption_key])}
+
+
+def caption_mismatch(shard, digest: str, args) -> Optional[str]:
+    """Why the store's `shard` was not written from the captions of `digest` (`caption_digests`), or None (also for
+    a store that recorded none: written before stores did, or from WebDataset)."""
+    if shard.captions_sha256 is None or shard.captions_sha256 == digest:
+        return None
+    return (f"shard '{shard.name}' was written from other captions than column '{args.csv_caption_key}' of "
+            f"'{args.train_data}' holds (another --csv-caption-key, or the file's captions changed since): its text "
+            f"features describe other texts; write the store again for these captions")
 
 
 def _raw_samples(url):

@@ -4,8 +4,9 @@ Layout of a store directory:
 
     manifest.json              model, pretrained, dim, dtype and the ordered list of shards with their sample counts
                                and, where written from local tar files, their sizes in bytes (`source_bytes`: training
-                               warns when its shards differ) (a keys-only store: dtype null, dim 0, model and
-                               pretrained null)
+                               warns when its shards differ), or from a CSV, the sha256 of its captions
+                               (`captions_sha256`: training stops when they differ) (a keys-only store: dtype null,
+                               dim 0, model and pretrained null)
     <shard>.features.npy       [n, 2, dim] array: [:, 0] image features, [:, 1] text features, in the store's dtype:
                                float16 (default), float32, or int8 (then scaled by the next file)
     <shard>.scales.npy         int8 stores only: [n, 2] float32, one scale per feature vector (feature = int8 * scale)
@@ -72,6 +73,7 @@ class Shard:
     count: int
     offset: int
     source_bytes: Optional[int] = None  # the size of the data file it was written from, where that was a local file
+    captions_sha256: Optional[str] = None  # a CSV's: the fingerprint of the captions its text features are of
 
 
 def shard_name(source: str) -> str:
@@ -186,6 +188,8 @@ def _describe(setting: str, value) -> str:
         return 'another list of shards'
     if setting == 'source_bytes':
         return 'data files of other sizes'
+    if setting == 'captions_sha256':
+        return 'other captions'
     if setting == 'dtype' and value is None:
         return 'keys only'
     return f"{setting} {value!r}"
@@ -204,7 +208,8 @@ class FeatureStore:
         self.shards: List[Shard] = []
         offset = 0
         for entry in manifest['shards']:
-            self.shards.append(Shard(entry['name'], int(entry['count']), offset, entry.get('source_bytes')))
+            self.shards.append(Shard(entry['name'], int(entry['count']), offset, entry.get('source_bytes'),
+                                     entry.get('captions_sha256')))
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
@@ -356,6 +361,9 @@ class FeatureStoreWriter:
     docstring). `add_shard` writes a shard's files atomically; run the rows through `check_rows` first when they
     do not come straight from a model's normalised output.
 
+    `source_bytes` ({shard: size of its local data file}) and `captions_sha256` ({shard: `data.sha256_of` the
+    captions of a CSV}) describe what the store was written from, for training to check (both optional).
+
     `shards`, the names of all shards of the store in order, lets several writers (processes) share the work:
     each adds some, and any of them can `close()` once all are `finished` (without it, the store is the shards this
     writer added). Writers of one `.partial` directory must agree on the settings and the shards.
@@ -364,7 +372,7 @@ class FeatureStoreWriter:
 
     def __init__(self, root, model: Optional[str], pretrained: Optional[str], dim: int = None,
                  dtype: Optional[str] = 'float16', shards: Sequence[str] = None,
-                 source_bytes: Dict[str, int] = None):
+                 source_bytes: Dict[str, int] = None, captions_sha256: Dict[str, str] = None):
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: keys only), got {dtype!r}")
         if dtype is None and (model is not None or pretrained is not None or dim is not None):
@@ -376,14 +384,14 @@ class FeatureStoreWriter:
         self.dim = dim
         self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype)
         self.plan = None if shards is None else list(shards)
-        self.source_bytes = dict(source_bytes or {})  # {shard: size of its local data file}, into the manifest
+        self.sources = {'source_bytes': dict(source_bytes or {}), 'captions_sha256': dict(captions_sha256 or {})}
         self.shards: List[str] = []  # the ones this writer added
-        plan = {**self.meta, 'shards': self.plan, 'source_bytes': self.source_bytes}
+        plan = {**self.meta, 'shards': self.plan, **self.sources}
         path = self.root / PLAN
         if path.is_file():
             found = json.loads(path.read_text())
-            # the data files' sizes are compared where both plans know them (a writer may not: the Python API)
-            compared = [k for k in plan if k != 'source_bytes' or (found.get(k) and plan[k])]
+            # what the data was is compared where both plans know it (a writer may not: the Python API)
+            compared = [k for k in plan if k not in self.sources or (found.get(k) and plan[k])]
             differ = [_describe(k, found.get(k)) for k in compared if found.get(k) != plan[k]]
             if differ:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
@@ -401,7 +409,7 @@ class FeatureStoreWriter:
             raise FeatureStoreError(f"'{path}' is missing: there is no unfinished store for '{root}'")
         plan = json.loads(path.read_text())
         return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'],
-                   source_bytes=plan.get('source_bytes'))
+                   source_bytes=plan.get('source_bytes'), captions_sha256=plan.get('captions_sha256'))
 
     def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray = None,
                   text_features: np.ndarray = None, rows_are_index: bool = False):
@@ -489,8 +497,9 @@ class FeatureStoreWriter:
             raise
         for tmp in self.root.glob('*.tmp'):  # left by killed writers
             tmp.unlink()
-        shards = [dict(name=name, count=found[name][0], **({'source_bytes': self.source_bytes[name]}
-                                                           if name in self.source_bytes else {})) for name in names]
+        shards = [dict(name=name, count=found[name][0],
+                       **{key: of_shard[name] for key, of_shard in self.sources.items() if name in of_shard})
+                  for name in names]
         (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'dim': dims[0], 'shards': shards}, indent=1))
         (self.root / PLAN).unlink()
         previous = self.final.with_name(self.final.name + '.previous')

@@ -35,8 +35,9 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import (add_data_args, data_keys, local_file_sizes, local_path, missing_local_file, read_csv,
-                   resolve_dataset_type, shard_keys, shard_samples, sources, undecodable_keys)
+from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, local_file_sizes, local_path,
+                   missing_local_file, read_csv, resolve_dataset_type, shard_keys, shard_samples, sources,
+                   undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, partial_dir, shard_files, shard_name)
 from .openclip.reference import create_model, pretrained_problem
@@ -316,6 +317,9 @@ def main(argv=None):
     if argv[:1] == ['check']:
         from .reference_check import main as check
         return check(argv[1:])
+    if argv and not argv[0].startswith('-'):  # precompute takes flags only: a mistyped command
+        raise SystemExit(f"drrho-openclip-features: no command '{argv[0]}' (the commands: verify, check, import; "
+                         f"precompute has none, only flags: see --help)")
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
@@ -327,8 +331,7 @@ def main(argv=None):
         missing = missing_local_file(shards)
         if missing:
             raise SystemExit(f"--train-data: no such file '{missing}'")
-        if args.dataset_type == 'csv':
-            read_csv(args)  # its columns, before a .partial store is started
+        captions = caption_digests(args)  # a CSV's columns are read here, before a .partial store is started
         # the model too: a mistyped --model must not leave a .partial store planned with it. A part that joins a
         # planned store loads it once it knows shards are left to encode: a rerun of a finished part needs none
         joining = partial_dir(args.output).exists()
@@ -339,7 +342,7 @@ def main(argv=None):
             writer = FeatureStoreWriter(args.output, None, None, dtype=None, shards=names, source_bytes=sizes)
         else:
             writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', dtype=args.dtype, shards=names,
-                                        source_bytes=sizes)
+                                        source_bytes=sizes, captions_sha256=captions)
     except FeatureStoreError as e:
         raise SystemExit(str(e))
     mine = shards[part_slice(len(shards), args.part, args.num_parts)]
@@ -444,7 +447,8 @@ def verify(argv=None) -> int:
                                             'keys, dimension, dtype, finite unit-norm features (none in a keys-only '
                                             'store), and with --train-data that its keys are exactly the samples of '
                                             'the data (and a warning where a local shard differs in size from the '
-                                            'file the store was written from).')
+                                            'file the store was written from; for a CSV, that its captions are '
+                                            'those the store was written from).')
     p.add_argument('store', help='the store directory')
     add_data_args(p, required=False)
     args = resolve_dataset_type(p.parse_args(argv))
@@ -457,6 +461,7 @@ def verify(argv=None) -> int:
         return 1
     try:
         data = data_keys(args) if args.train_data else {}
+        captions = caption_digests(args) if args.train_data else {}
     except OSError as e:  # a shard or CSV of --train-data that cannot be read
         print(f"PROBLEM: --train-data: {e}")
         return 1
@@ -479,6 +484,8 @@ def verify(argv=None) -> int:
         else:
             report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None,
                                          urls.get(shard.name), csv=csv)
+        if shard.name in captions:
+            found += [problem for problem in [caption_mismatch(shard, captions[shard.name], args)] if problem]
         warning = _size_warning(shard, urls.get(shard.name))
         print(report + (' -- PROBLEM' if found else '') + (' -- size differs' if warning else ''))
         problems += found

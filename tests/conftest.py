@@ -146,6 +146,13 @@ def checkpoint(logs, name, epoch):
     return torch.load(Path(logs) / name / 'checkpoints' / f'epoch_{epoch}.pt', map_location='cpu')
 
 
+def loss_tensors(saved: dict) -> dict:
+    """A checkpoint's loss state without the run it records (a dict; see openclip/checkpoints.py): the loss's
+    own entries ({} for a loss without state)."""
+    from drrho_openclip.openclip.checkpoints import RUN_KEY
+    return {k: v for k, v in saved.get('loss_state', {}).items() if k != RUN_KEY}
+
+
 def without_dropout(loss):
     """TempNet's dropout off (its networks in eval mode) in a loss that still trains (`loss.eval()` would stop its
     learning): copies compute alike, and a float64 reference needs no masks. Returns the loss."""
@@ -172,8 +179,9 @@ def assert_equivalent_runs(a, b, prefix=''):
     import torch
     for key, value in a['state_dict'].items():
         assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=1e-5)
-    assert a.get('loss_state', {}).keys() == b.get('loss_state', {}).keys()  # none for a loss without state
-    for key in a.get('loss_state', {}):
+    a_state, b_state = loss_tensors(a), loss_tensors(b)
+    assert a_state.keys() == b_state.keys()  # none for a loss without state
+    for key in a_state:
         # log u is ℓ̂/τ-sized (hundreds at τ = 0.01): float32 rounding of the features is amplified 1/τ times
-        assert_same(a['loss_state'][key], b['loss_state'][key], rtol=1e-3, atol=1e-3)
-        assert torch.isfinite(a['loss_state'][key]).all()
+        assert_same(a_state[key], b_state[key], rtol=1e-3, atol=1e-3)
+        assert torch.isfinite(a_state[key]).all()

@@ -3,7 +3,7 @@ bad flag combinations stop at start-up saying what to change."""
 import pytest
 import torch
 
-from conftest import checkpoint, run_openclip, train_args
+from conftest import checkpoint, loss_tensors, run_openclip, train_args
 from drrho_openclip.losses import list_losses
 
 # flags per configuration; {ref} is replaced by the reference-feature store
@@ -41,7 +41,7 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     log = result.stdout + result.stderr
     assert f"drrho-openclip: --loss {config.split('+')[0]}" in log
     ckpt = checkpoint(tmp_path, 'run', 1)
-    for tensor in [*ckpt['state_dict'].values(), *ckpt.get('loss_state', {}).values()]:
+    for tensor in [*ckpt['state_dict'].values(), *loss_tensors(ckpt).values()]:
         assert not torch.isinf(tensor).any()
     assert 'Loss metrics:' in log  # the loss's own diagnostics reach OpenCLIP's logger
     if config.startswith('tempnet'):

@@ -9,9 +9,11 @@ import open_clip
 import pytest
 import torch
 
-from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, checkpoint, run_openclip, start_openclip,
-                      train_args)
+from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, checkpoint, loss_tensors, run_openclip,
+                      start_openclip, train_args)
 from drrho_openclip import precompute
+from drrho_openclip.features import FeatureStore, FeatureStoreWriter
+from drrho_openclip.openclip.checkpoints import RUN_KEY
 from drrho_openclip.losses.registry import get_loss_spec, list_losses
 
 DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
@@ -33,23 +35,81 @@ def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
     assert torch.equal(model.logit_scale.detach(), torch.tensor(math.log(1 / 0.07)))
 
 
-@pytest.mark.parametrize('other', [('--loss', 'sogclr', '--gamma', '0.5'), ('--loss', 'clip')])
+@pytest.mark.parametrize('other', [('--loss', 'sogclr', '--gamma', '0.5'), ('--loss', 'clip'),
+                                   # the same state entries as drrho's (u, a learned τ): only the name tells
+                                   ('--loss', 'sogclr', '--gamma', '0.5', '--gamma-decay-epochs', '2',
+                                    '--learn-temperature')])
 def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
     run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
     first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    digest = hashlib.sha256(first.read_bytes()).hexdigest()
     result = run_openclip(train_args(shapes, tmp_path, 'other', *other, '--resume', first, epochs=2), check=False)
     assert result.returncode != 0
+    assert (f"--resume '{first}' was trained with --loss drrho, this run's is --loss {other[1]}. Train another "
+            f"loss or data as a new run (another --name); --pretrained '{first}' starts it from those "
+            f"weights") in result.stderr, result.stderr[-2000:]
+    assert hashlib.sha256(first.read_bytes()).hexdigest() == digest
+    assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
+
+
+def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(shapes, tmp_path):
+    """Checkpoints written before they recorded their run: the loss state's entries tell another loss."""
+    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    saved = torch.load(first, weights_only=False)
+    del saved['loss_state'][RUN_KEY]
+    torch.save(saved, first)
+    result = run_openclip(train_args(shapes, tmp_path, 'other', '--loss', 'sogclr', '--gamma', '0.5', '--resume',
+                                     first, epochs=2), check=False)
+    assert result.returncode != 0
     assert (f"--resume '{first}' holds the loss state of another loss or other flags than this run's --loss "
-            f"{other[1]} (differing: ") in result.stderr, result.stderr[-2000:]
-    # drrho's learned τ (and, against clip, its per-sample u) named among what differs
-    assert any(f"(differing: {key}" in result.stderr for key in ('state.log_u_image', 'temperature.exp_avg'))
+            f"sogclr (differing: temperature.exp_avg") in result.stderr, result.stderr[-2000:]
+
+
+def test_resuming_onto_other_samples_stops_and_other_settings_are_named(shapes, tmp_path):
+    """The per-sample state's rows are the CSV's rows: the same rows in another order would give each sample
+    another's u. Another reference model or other options resume, with a warning naming them."""
+    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    lines = shapes['csv'].read_text().splitlines()
+    store = FeatureStore.open(shapes['ref'])
+    features = store.shard_features('train')  # [n, 2, d]
+
+    def write_store(root, model, order):
+        writer = FeatureStoreWriter(root, model=model, pretrained='', dim=store.dim)
+        writer.add_shard('train', [lines[1:][i].split('\t')[0] for i in order], features[order, 0],
+                         features[order, 1])
+        writer.close()
+
+    reordered = tmp_path / 'reordered' / 'train.csv'  # with its own store, so that the store's row check passes
+    reordered.parent.mkdir()
+    reordered.write_text('\n'.join([lines[0]] + lines[1:][::-1]) + '\n')
+    write_store(tmp_path / 'reordered_ref', 'test', list(range(len(lines) - 1))[::-1])
+    args = train_args(shapes, tmp_path, 'other', *DRRHO, '--ref-features', tmp_path / 'reordered_ref', '--resume',
+                      first, epochs=2)
+    args[args.index('--train-data') + 1] = reordered
+    result = run_openclip(args, check=False)
+    assert result.returncode != 0
+    assert (f"--resume '{first}' holds per-sample state whose rows are other samples than this run's"
+            in result.stderr), result.stderr[-2000:]
+    assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
+
+    write_store(tmp_path / 'another_ref', 'another', list(range(len(lines) - 1)))
+    result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--reference-weight', '1', '--ref-features',
+                                     tmp_path / 'another_ref', '--resume', 'latest', epochs=2))
+    log = result.stdout + result.stderr
+    assert (f"--resume '{first}' was trained with --ref-features of test (), dim 16, this run reads --ref-features "
+            f"of another (), dim 16") in log, log[-3000:]
+    assert (f"--resume '{first}' was trained with other --loss drrho options; resuming with --reference-weight "
+            f"0.25 -> 1.0") in log
+    assert checkpoint(tmp_path, 'run', 2)['loss_state'][RUN_KEY]['options']['reference_weight'] == 1.0
 
 
 def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
     # with a fixed τ too there is nothing to save (a learned τ's three buffers would be the loss's state)
     run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--no-learn-temperature',
                             '--ref-features', shapes['ref']))
-    assert 'loss_state' not in checkpoint(tmp_path, 'run', 1)
+    assert set(checkpoint(tmp_path, 'run', 1)['loss_state']) == {RUN_KEY}  # the run it records, no state
 
 
 def loss_args(shapes, name):
@@ -101,11 +161,13 @@ def test_killed_run_resumes_exactly(shapes, tmp_path, name):
     second.unlink(missing_ok=True)  # had it got that far, resume from epoch 1 all the same
     run_openclip(args('split', '--resume', 'latest'))
     a, b = checkpoint(tmp_path, 'full', 2), checkpoint(tmp_path, 'split', 2)
-    assert a['state_dict'].keys() == b['state_dict'].keys() and a['loss_state'].keys() == b['loss_state'].keys()
+    a_state, b_state = loss_tensors(a), loss_tensors(b)
+    assert a['state_dict'].keys() == b['state_dict'].keys() and a_state.keys() == b_state.keys()
     for key in a['state_dict']:  # TempNet's parameters included
         assert_same(a['state_dict'][key], b['state_dict'][key])
-    for key in a['loss_state']:  # u, and isogclr's τ tables and their Adam moments
-        assert_same(a['loss_state'][key], b['loss_state'][key])
+    for key in a_state:  # u, and isogclr's τ tables and their Adam moments
+        assert_same(a_state[key], b_state[key])
+    assert a['loss_state'][RUN_KEY] == b['loss_state'][RUN_KEY]
 
 
 @pytest.mark.parametrize('name', ['drrho', 'sogclr', 'fastclip+kd', 'isogclr', 'tempnet'])
@@ -165,7 +227,7 @@ def test_every_loss_trains_under_bf16_autocast(shapes, tmp_path, name, extra):
     run_openclip(train_args(shapes, tmp_path, 'bf16', '--loss', name, *ref, *extra, '--precision', 'amp_bf16',
                             epochs=2))
     saved = checkpoint(tmp_path, 'bf16', 2)
-    tensors = {**saved['state_dict'], **saved.get('loss_state', {})}
+    tensors = {**saved['state_dict'], **loss_tensors(saved)}
     assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
 
 
@@ -209,6 +271,26 @@ def test_features_of_another_csv_are_rejected(shapes, tmp_path):
     assert not (tmp_path / 'x').exists()  # stopped at start-up, before OpenCLIP created the run
 
 
+def test_a_store_of_other_captions_stops_training_and_fails_verify(shapes, tmp_path, capsys):
+    """A CSV's store is keyed by image paths; its text features are of the captions it was written from, which
+    another --csv-caption-key (or an edited file) would change under the same paths."""
+    store = str(tmp_path / 'ref')
+    data = ['--train-data', str(shapes['csv']), '--csv-separator', '\t', '--csv-img-key', 'filepath']
+    assert precompute.main(['--model', shapes['model'], *data, '--csv-caption-key', 'title', '--output', store,
+                            '--batch-size', '16', '--workers', '0']) == 0
+    assert precompute.verify([store, *data, '--csv-caption-key', 'title']) == 0
+    assert precompute.verify([store, *data, '--csv-caption-key', 'label']) == 1
+    assert ("PROBLEM: shard 'train' was written from other captions than column 'label' of "
+            f"'{shapes['csv']}' holds") in capsys.readouterr().out
+    args = train_args(shapes, tmp_path, 'x', *DRRHO, '--ref-features', store)
+    args[args.index('--csv-caption-key') + 1] = 'label'
+    result = run_openclip(args, check=False)
+    assert result.returncode == 2
+    assert ("--ref-features was not written for --train-data: shard 'train' was written from other captions than "
+            "column 'label'") in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / 'x').exists()  # stopped at start-up, before OpenCLIP created the run
+
+
 def test_a_csv_of_several_captions_per_image_gets_a_store_and_trains(shapes, tmp_path, capsys):
     """COCO and Flickr30k give each image several captions: a CSV repeats its path, and the store (whose CSV keys are
     the image paths, row by row: the row is the index) repeats it too."""
@@ -248,6 +330,9 @@ def test_training_names_what_is_wrong_with_a_csv(shapes, tmp_path):
     assert result.returncode != 0
     assert (f"{comma}: no column 'filepath' (columns with --csv-separator '\\t': 'filepath,title,label'; is the file "
             f"separated by another character?)") in result.stderr
+    args[args.index('--train-data') + 1] = missing = tmp_path / 'missing.csv'  # a traceback of pandas' before
+    result = run_openclip(args, check=False)
+    assert result.returncode == 2 and f"--train-data: no such file '{missing}'" in result.stderr
 
 
 def test_precompute_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,6 +86,19 @@ def test_the_reference_weights_are_loaded_or_the_run_stops(data, tmp_path, caplo
         precompute.main(argv + ['--output', str(tmp_path / 'other')])
     assert stop.value.code == 2 and f"--pretrained: '{missing}' is not a file" in capsys.readouterr().err
     assert not (tmp_path / 'other.partial').exists()
+    # a file that is no checkpoint of the model: named, with the first line of the cause (torch's own messages name
+    # neither, and its unpickling error advises loading the file with weights_only=False)
+    truncated = tmp_path / 'truncated.pt'
+    truncated.write_bytes(Path(checkpoint).read_bytes()[:1000])
+    config = Path(data['args'][data['args'].index('--model') + 1].removeprefix('local-dir:')) / 'open_clip_config.json'
+    for wrong in (truncated, config):
+        argv[argv.index('--pretrained') + 1] = str(wrong)
+        with pytest.raises(SystemExit) as stop:
+            precompute.main(argv + ['--output', str(tmp_path / 'other')])
+        message = str(stop.value)
+        assert f"--pretrained {wrong}" in message and f"'{wrong}' is not a checkpoint of it (" in message, message
+        assert 'weights_only' not in message and '\n' not in message
+        assert not (tmp_path / 'other.partial').exists() and not (tmp_path / 'other').exists()
 
 
 def test_parts_default_to_torchrun_or_the_slurm_array(monkeypatch):
@@ -428,3 +442,10 @@ def test_default_loader_workers_without_cpu_affinity(monkeypatch):
     monkeypatch.setattr(precompute.os, 'cpu_count', lambda: 4)
     monkeypatch.delenv('LOCAL_WORLD_SIZE', raising=False)
     assert precompute.default_workers() == 3
+
+
+def test_a_mistyped_command_is_named():
+    """precompute takes no positional argument: argparse's answer was "required: --output", not the typo."""
+    with pytest.raises(SystemExit) as stop:
+        precompute.main(['verfiy', 'ref/'])
+    assert "no command 'verfiy' (the commands: verify, check, import" in str(stop.value)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import SGD, on_gloo_ranks, run_openclip, train_args
+from conftest import SGD, loss_tensors, on_gloo_ranks, run_openclip, train_args
 from drrho_openclip.losses import create_loss
 from drrho_openclip.losses.state import AUTO_SHARD_FROM_SAMPLES, per_sample_tables
 from drrho_openclip.losses.state import load_state_shards, save_state_shards, shard_file_name
@@ -222,7 +222,7 @@ TWO_RANKS = ('--local-loss', '--gather-with-grad')
 def saved_tables(checkpoint_file):
     """The whole per-sample tables of a checkpoint: in it (one rank), or assembled from its shard set."""
     from drrho_openclip.openclip.checkpoints import SHARDS_KEY
-    state = torch.load(checkpoint_file, map_location='cpu')['loss_state']
+    state = loss_tensors(torch.load(checkpoint_file, map_location='cpu'))
     if SHARDS_KEY not in state:
         return state
     manifest = state[SHARDS_KEY]
@@ -242,7 +242,7 @@ def two_rank_run(shapes, tmp_path_factory):
 
 
 def test_two_ranks_save_shard_sets_next_to_the_checkpoints(two_rank_run):
-    from drrho_openclip.openclip.checkpoints import SHARDS_KEY
+    from drrho_openclip.openclip.checkpoints import RUN_KEY, SHARDS_KEY
     root = two_rank_run / 'full' / 'checkpoints'
     files = sorted(str(p.relative_to(root)) for p in root.rglob('*') if p.is_file())
     assert files == ['epoch_1.loss_state/rank-0-of-2.shard', 'epoch_1.loss_state/rank-1-of-2.shard', 'epoch_1.pt',
@@ -251,7 +251,7 @@ def test_two_ranks_save_shard_sets_next_to_the_checkpoints(two_rank_run):
     assert sorted(p.name for p in root.glob('**/*.pt')) == ['epoch_1.pt', 'epoch_2.pt', 'epoch_latest.pt']
     for name, epoch in (('epoch_2.pt', 2), ('epoch_latest.pt', 2), ('epoch_1.pt', 1)):
         state = torch.load(root / name, map_location='cpu')['loss_state']
-        assert set(state) == {SHARDS_KEY} and state[SHARDS_KEY]['directory'] == f'epoch_{epoch}.loss_state'
+        assert set(state) == {SHARDS_KEY, RUN_KEY} and state[SHARDS_KEY]['directory'] == f'epoch_{epoch}.loss_state'
         assert state[SHARDS_KEY]['world_size'] == 2
     shard = torch.load(root / 'epoch_2.loss_state' / 'rank-1-of-2.shard')
     assert (shard['start'], shard['stop']) == (32, 64) and len(shard['tables']) == 8  # u, τ, m, v per modality
@@ -293,7 +293,7 @@ def test_one_rank_resumes_a_two_rank_sharded_checkpoint(shapes, two_rank_run, tm
     two = torch.load(full / 'epoch_2.pt', map_location='cpu')
     for key, value in one['state_dict'].items():  # the same global batch: the same training
         torch.testing.assert_close(value, two['state_dict']['module.' + key], rtol=1e-4, atol=1e-5)
-    assert set(one['loss_state']) == set(saved_tables(full / 'epoch_2.pt'))  # one rank: the tables in the file
+    assert set(loss_tensors(one)) == set(saved_tables(full / 'epoch_2.pt'))  # one rank: the tables in the file
     for key, value in saved_tables(full / 'epoch_2.pt').items():
         torch.testing.assert_close(one['loss_state'][key], value, equal_nan=True, rtol=1e-3, atol=1e-3)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drrho_openclip import precompute
-from drrho_openclip.data import sources
+from drrho_openclip.data import sha256_of, sources
 from drrho_openclip.features import FeatureStore, FeatureStoreError
 from drrho_openclip.store_import import import_store
 
@@ -115,6 +115,10 @@ def test_a_csv_store_keys_the_image_paths_row_by_row(shapes, tmp_path):
     assert store.dtype == 'int8' and store.keys('train').tolist() == paths
     assert np.abs(store.shard_features('train')[:, 0] - image).max() < 1e-2
     assert precompute.main(['verify', tmp_path / 'ref', '--train-data', shapes['csv']]) == 0
+    # the captions the features are of, recorded as precompute records them: another caption column fails verify
+    assert store.shard('train').captions_sha256 == sha256_of(pd.read_csv(shapes['csv'], sep='\t')['title'])
+    assert precompute.main(['verify', tmp_path / 'ref', '--train-data', shapes['csv'], '--csv-caption-key',
+                            'label']) == 1
 
 
 def test_a_csv_of_several_captions_per_image_imports_its_rows_in_order(shapes, tmp_path):

@@ -124,8 +124,9 @@ def checkpoint_loss_state(loss: TrainingLoss, loss_state: dict, completed_epoch:
                           args) -> dict:
     """main, after each epoch, on every rank, before rank 0 writes `checkpoint_files` (none: no checkpoint this
     epoch): what goes into checkpoint['loss_state']; sharded per-sample state is written to per-rank files here."""
+    from . import run
     from .checkpoints import checkpoint_loss_state
-    return checkpoint_loss_state(loss, loss_state, completed_epoch, checkpoint_files, args)
+    return checkpoint_loss_state(run.active(), loss, loss_state, completed_epoch, checkpoint_files, args)
 
 
 def checkpoints_saved(completed_epoch: int, checkpoint_files: List[str], args) -> None:

@@ -5,7 +5,11 @@ shard set  checkpoints/epoch_N.loss_state/rank-R-of-W.shard  (losses/state.py), 
 epoch's checkpoint files (epoch_N.pt, and epoch_latest.pt with --save-most-recent, which refers to the same set): a
 checkpoint file never exists without its complete set. The checkpoint's 'loss_state' holds the loss's other entries
 and the set's manifest under SHARDS_KEY. Nothing there ends in .pt, so `--resume latest` (the newest **/*.pt) never
-picks it. Which files are written, and where, main.py says (the hooks' `checkpoint_files`)."""
+picks it. Which files are written, and where, main.py says (the hooks' `checkpoint_files`).
+
+Every checkpoint of a plugin loss also records the run that wrote it under RUN_KEY (`Run.provenance`): resuming it
+with another --loss, or onto a sample index whose rows are other samples, stops; another reference model or other
+loss options are resumed with a warning naming them."""
 import logging
 import os
 import re
@@ -15,10 +19,11 @@ from pathlib import Path
 import torch
 
 from ..losses import attached_names, load_state_shards, per_sample_tables, save_state_shards
-from .flags import trains
+from .flags import flag, trains
 from .run import Run
 
 SHARDS_KEY = 'per_sample_state_shards'
+RUN_KEY = 'drrho_openclip_run'
 SHARD_SET_SUFFIX = '.loss_state'
 # a set, or the staging (.tmp-) or replaced (.old-) directory a killed save left behind
 SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.(?:tmp|old)-[0-9a-f]+)?')
@@ -30,25 +35,31 @@ def _sharded(loss) -> bool:
     return sharding is not None and sharding.sharded
 
 
-def checkpoint_loss_state(loss, loss_state, completed_epoch, checkpoint_files, args):
-    """Every rank, before rank 0 writes `checkpoint_files`: what goes into checkpoint['loss_state']."""
+def checkpoint_loss_state(run: Run, loss, loss_state, completed_epoch, checkpoint_files, args):
+    """Every rank, before rank 0 writes `checkpoint_files`: what goes into checkpoint['loss_state'] (nothing of the
+    plugin's for plain `--loss clip`: OpenCLIP's own run)."""
+    if run.plain_clip:
+        return loss_state
     if not _sharded(loss):
-        return loss_state  # the whole state_dict, in the checkpoint (rank 0's replicated tables)
+        return {**loss_state, RUN_KEY: run.provenance}  # the whole state_dict (rank 0's replicated tables)
     if not checkpoint_files:
         return {}
     directory = Path(checkpoint_files[0]).parent / f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}'
     manifest = save_state_shards(loss, str(directory))
     tables = per_sample_tables(loss)
-    return {**{k: v for k, v in loss_state.items() if k not in tables}, SHARDS_KEY: manifest}
+    return {**{k: v for k, v in loss_state.items() if k not in tables}, SHARDS_KEY: manifest,
+            RUN_KEY: run.provenance}
 
 
-def check_resumed_loss(loss, loss_name: str, args):
+def check_resumed_loss(loss, run: Run, args):
     """Before the optimizer state is read: a checkpoint whose loss state is not this loss's (`loss` None: OpenCLIP's
-    own, which keeps none) stops the run, naming the keys that differ; it was written with another --loss or other
-    state flags, whose optimizer groups and state differ too, which torch reports without the cause. Local files
-    only (a remote checkpoint is read once, by OpenCLIP)."""
+    own, which keeps none) stops the run, naming the --loss or the keys that differ; it was written with another
+    --loss or other state flags, whose optimizer groups and state differ too, which torch reports without the
+    cause. So does one whose per-sample state is of other samples (`check_resumed_run`). Local files only (a remote
+    checkpoint is read once, by OpenCLIP)."""
     if not args.resume or not os.path.isfile(args.resume):
         return
+    loss_name = run.loss_name
     if not trains(args):  # evaluating: no loss state is read, but the model's weights are, strictly
         saved = {k.removeprefix('module.').split('.')[0] for k in _checkpoint_of(args.resume).get('state_dict', {})}
         saved = {name for name in saved if name.startswith('loss_')}
@@ -60,10 +71,12 @@ def check_resumed_loss(loss, loss_name: str, args):
                              f"was trained with")
         return
     saved = _loss_state_of(args.resume) or {}
+    if RUN_KEY in saved:
+        check_resumed_run(saved[RUN_KEY], run, args)
     own = set(loss.state_dict()) if loss is not None else set()
     tables = set(per_sample_tables(loss)) if loss is not None else set()
     # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
-    saved = set(saved) - {SHARDS_KEY} | (tables if SHARDS_KEY in saved else set())
+    saved = set(saved) - {SHARDS_KEY, RUN_KEY} | (tables if SHARDS_KEY in saved else set())
     if saved != own and not (saved < own and own - saved <= tables):  # tables alone: the loss's own message says it
         differ = sorted(saved ^ own)
         raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the loss state of another loss or other "
@@ -73,8 +86,38 @@ def check_resumed_loss(loss, loss_name: str, args):
                          f"'{args.resume}' starts it from those weights")
 
 
+def check_resumed_run(saved: dict, run: Run, args):
+    """The run that wrote the checkpoint (its RUN_KEY) against this one: another --loss, or per-sample state whose
+    rows are other samples, stops; another reference model or other loss options are logged as a warning."""
+    resume = f"drrho-openclip: --resume '{args.resume}'"
+    new_run = (f"Train another loss or data as a new run (another --name); --pretrained '{args.resume}' starts it "
+               f"from those weights")
+    if saved.get('loss') != run.loss_name:
+        raise SystemExit(f"{resume} was trained with --loss {saved.get('loss')}, this run's is --loss "
+                         f"{run.loss_name}. {new_run}")
+    samples = run.provenance.get('samples')
+    if saved.get('samples') is not None and samples is not None and saved['samples'] != samples:
+        raise SystemExit(f"{resume} holds per-sample state whose rows are other samples than this run's: the sample "
+                         f"index of --train-data (a CSV's image paths row by row, or the shards of --ref-features or "
+                         f"--sample-index) is not the one it was trained on, so each sample would resume another's "
+                         f"state. Resume with the data and store it was trained with. {new_run}")
+    if saved.get('reference') != run.provenance.get('reference'):
+        logging.warning(f"{resume} was trained with {saved.get('reference') or 'no reference model'}, this run "
+                        f"reads {run.provenance.get('reference') or 'none'}: its per-sample state was estimated "
+                        f"under the other reference's shift, and follows this one's within about an epoch")
+    options, saved_options = run.provenance.get('options', {}), saved.get('options', {})
+    changed = [f"{flag(o)} {saved_options.get(o)} -> {options.get(o)}"
+               for o in sorted(set(options) | set(saved_options)) if saved_options.get(o) != options.get(o)]
+    if changed:
+        logging.warning(f"{resume} was trained with other --loss {run.loss_name} options; resuming with "
+                        f"{', '.join(changed)}")
+
+
 def resolve_loss_state(loss, loss_state, args):
-    """Every rank, on resume: the checkpoint's loss state with a shard set read in (this rank's rows of it)."""
+    """Every rank, on resume: the checkpoint's loss state without the run it records, and with a shard set read in
+    (this rank's rows of it)."""
+    if isinstance(loss_state, dict):
+        loss_state = {k: v for k, v in loss_state.items() if k != RUN_KEY}
     manifest = loss_state.get(SHARDS_KEY) if isinstance(loss_state, dict) else None
     if manifest is None:
         return loss_state

@@ -5,9 +5,11 @@ import os
 import re
 import shutil
 import textwrap
-from typing import Optional
+from functools import lru_cache
+from typing import Optional, Tuple
 
-from ..data import check_csv_columns, input_kind, local_path, shard_name_collision, shard_urls
+from ..data import (caption_mismatch, check_csv_columns, input_kind, local_path, missing_local_file, sha256_of,
+                    shard_name_collision, shard_urls)
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -211,6 +213,9 @@ def check_args(args, parser) -> Run:
     if 'tile_size' in own and 'tile_size' not in given:
         in_force['tile_size'] = args.tile_size = None  # chosen from the global batch once the world size is known
 
+    csv = trains(args) and input_kind(args.train_data, args.dataset_type) == 'csv'
+    if csv and missing_local_file([(None, args.train_data)]):
+        parser.error(f"--train-data: no such file '{args.train_data}'")
     reference_store = None
     if args.ref_features is not None:
         reference_store = _open_store(parser, 'ref_features', args.ref_features)
@@ -224,9 +229,12 @@ def check_args(args, parser) -> Run:
             if warning:
                 warnings.append(warning)
     index_store = sample_index or reference_store
+    provenance = dict(loss=args.loss, options=dict(in_force), reference=_reference_in_use(args, reference_store),
+                      samples=_sample_index_fingerprint(args, index_store) if keeps_state else None)
     return Run(loss_name=args.loss, plain_clip=plain_clip, options=in_force,
                reference_store=reference_store, index_store=index_store,
-               sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings)
+               sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings,
+               provenance=provenance)
 
 
 def _check_openclip_modes(args, parser):
@@ -286,10 +294,13 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
         if args.train_data is None:
             return
         if kind == 'csv':
-            images = _csv_images(args)
+            images, captions = _training_csv(args)
             check_csv_keys(store, args.train_data, images)
             if store.num_samples != len(images):  # the row number is the dense index: no other shard may come first
                 raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples, the CSV has {len(images)}")
+            mismatch = caption_mismatch(store.shard(shard_name(args.train_data)), captions, args)
+            if mismatch:
+                raise FeatureStoreError(mismatch)
         else:
             urls = shard_urls(args.train_data)
             collision = shard_name_collision(urls)
@@ -332,11 +343,21 @@ def _shard_size_warning(option: str, store: FeatureStore, urls, train_data: str)
             f"read the features of other samples: then write the store for this data")
 
 
-def _csv_images(args) -> list:
-    """The image paths of the training CSV, one per row (the column OpenCLIP's CsvDataset reads)."""
+def _training_csv(args) -> Tuple[list, str]:
+    """(the image paths of the training CSV, one per row, `sha256_of` its captions): the columns OpenCLIP's
+    CsvDataset reads, read once while the file stays as it is (the checks and the sample index need both)."""
+    local = local_path(args.train_data)
+    stat = os.stat(local) if local is not None else None  # pandas reads a remote CSV (fsspec) as it is
+    return _read_csv_columns(args.train_data, args.csv_separator, args.csv_img_key, args.csv_caption_key,
+                             stat and (stat.st_mtime_ns, stat.st_size))
+
+
+@lru_cache(maxsize=1)
+def _read_csv_columns(path, separator, image_key, caption_key, _version):
     import pandas as pd
-    check_csv_columns(args, (args.csv_img_key, args.csv_caption_key))
-    return pd.read_csv(args.train_data, sep=args.csv_separator, usecols=[args.csv_img_key])[args.csv_img_key].tolist()
+    check_csv_columns(argparse.Namespace(train_data=path, csv_separator=separator), (image_key, caption_key))
+    rows = pd.read_csv(path, sep=separator, usecols=[image_key, caption_key])
+    return rows[image_key].tolist(), sha256_of(rows[caption_key])
 
 
 def check_csv_keys(store, csv_path, images):
@@ -358,6 +379,29 @@ def trains(args) -> bool:
     return args.train_data is not None or args.dataset_type == 'synthetic'
 
 
+def _reference_in_use(args, reference_store) -> Optional[str]:
+    """The reference model the run reads, in words (None: none)."""
+    if reference_store is not None:
+        return f"--ref-features of {reference_store.model} ({reference_store.pretrained}), dim {reference_store.dim}"
+    if args.ref_model is not None:
+        return f"--ref-model {args.ref_model} --ref-pretrained {args.ref_pretrained}"
+    return None
+
+
+def _sample_index_fingerprint(args, index_store) -> Optional[str]:
+    """A fingerprint of which sample each row of the per-sample state is: a CSV's image paths row by row (its row is
+    the index), or the store's shards and their sizes (a WebDataset sample's row is its shard's offset plus its
+    place in the shard, in file order). None where nothing is indexed (evaluation; the synthetic dataset, whose
+    samples are their index)."""
+    if not trains(args):
+        return None
+    if input_kind(args.train_data, args.dataset_type) == 'csv':
+        return sha256_of(_training_csv(args)[0])
+    if index_store is not None:
+        return sha256_of(f"{shard.name}/{shard.count}" for shard in index_store.shards)
+    return None
+
+
 def _sample_index_size(args, index_store) -> int:
     """Size of the dense sample index: the store's (--ref-features or --sample-index), a CSV's rows, or the
     synthetic dataset's size."""
@@ -369,5 +413,5 @@ def _sample_index_size(args, index_store) -> int:
     if kind == 'synthetic':
         return args.train_num_samples
     if kind == 'csv':
-        return len(_csv_images(args))
+        return len(_training_csv(args)[0])
     return 0  # WebDataset without a store: the loss keeps no per-sample state (the checks make sure)

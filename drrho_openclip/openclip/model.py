@@ -47,7 +47,7 @@ def configure_model(run: Run, model, args):
     loss's own metric (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
     run here."""
     if run.plain_clip:
-        check_resumed_loss(None, run.loss_name, args)
+        check_resumed_loss(None, run, args)
         return
     device = model.logit_scale.device
     options = dict(run.options)
@@ -60,7 +60,7 @@ def configure_model(run: Run, model, args):
         import open_clip
         from_run['embed_dim'] = open_clip.get_model_config(args.model)['embed_dim']
     loss = build(run.loss_name, **options, **{o: from_run[o] for o in supplied})
-    check_resumed_loss(loss, run.loss_name, args)
+    check_resumed_loss(loss, run, args)
     sharding = getattr(loss, 'sharding', None)
     if 'state_layout' in options and sharding is not None:
         options['state_layout'] = sharding.layout  # 'auto' resolved from the dataset size and the world size

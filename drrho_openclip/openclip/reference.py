@@ -35,7 +35,14 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
         name, pretrained=None if is_file or not pretrained else pretrained, device=device, precision=precision,
         cache_dir=cache_dir)
     if is_file:
-        open_clip.load_checkpoint(model, pretrained, device=device)
+        try:
+            open_clip.load_checkpoint(model, pretrained, device=device)
+        except Exception as e:  # noqa: BLE001 - torch, pickle and OpenCLIP's resizing each raise their own kind
+            # their messages name neither the file nor the model (and torch's goes on to suggest unpickling
+            # without weights_only, which would run a foreign file's code): the cause's first sentence only
+            cause = str(e).strip().split('\n')[0].split('. ')[0]
+            raise ValueError(f"reference model {name}: '{pretrained}' is not a checkpoint of it "
+                             f"({type(e).__name__}: {cause})") from e
     if pretrained:
         logging.info(f"drrho-openclip: reference model {name}, weights from '{pretrained}'")
     else:
@@ -67,8 +74,12 @@ class OnlineReference:
     def __init__(self, learner, args, device):
         from open_clip_train.precision import get_autocast
         self.autocast = get_autocast(args.precision, device_type=torch.device(device).type)
-        self.model = create_model(args.ref_model, args.ref_pretrained, device, precision=args.precision,
-                                  cache_dir=args.cache_dir)[0].requires_grad_(False)
+        try:
+            self.model = create_model(args.ref_model, args.ref_pretrained, device, precision=args.precision,
+                                      cache_dir=args.cache_dir)[0].requires_grad_(False)
+        except (RuntimeError, ValueError, OSError) as e:  # as precompute's: an unknown tag, another model's file
+            raise SystemExit(f"drrho-openclip: --ref-model {args.ref_model} --ref-pretrained {args.ref_pretrained}: "
+                             f"{e}") from None
         theirs, ours = _sizes(self.model), _sizes(learner)
         for key in theirs:
             if theirs[key] != ours[key]:

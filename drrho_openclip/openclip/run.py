@@ -20,6 +20,9 @@ class Run:
     # warnings about the flags, logged with the loss (at parse time OpenCLIP's logging is not set up yet, and a
     # logging call then would give the root logger a second handler: every later line printed twice)
     warnings: List[str] = field(default_factory=list)
+    # what a checkpoint's loss state records of the run that wrote it, checked on resume (checkpoints.py): the loss,
+    # its options as given, the reference model in words, a fingerprint of the sample index
+    provenance: Dict = field(default_factory=dict)
 
 
 _active: Optional[Run] = None
