@@ -14,7 +14,8 @@ tokenizer, so the features do not depend on the learner's preprocessing.
 `--keys-only` writes a store of sample keys alone, no model and no features: the sample index of WebDataset shards
 for training's `--sample-index` (losses that keep per-sample state without reading reference features). It reads
 the shards' keys exactly as a feature store does (tar members grouped by `__key__`, image-text samples only, in file
-order, nothing decoded), so both kinds of store give every sample the same index.
+order, nothing decoded), so both kinds of store give every sample the same index, except after a sample whose image
+cannot be decoded: a feature store leaves it out, a keys-only store (which decodes nothing) keeps its slot.
 
 Many processes: `--num-parts P --part I` computes the I-th of P contiguous slices of the shard list (by default from
 torchrun's RANK/WORLD_SIZE or a SLURM job array's task id and count). Every part writes into `<output>.partial/`;
@@ -484,8 +485,12 @@ def verify(argv=None) -> int:
         else:
             report, found = _check_shard(store, shard, data.get(shard.name, []) if args.train_data else None,
                                          urls.get(shard.name), csv=csv)
-        if shard.name in captions:
-            found += [problem for problem in [caption_mismatch(shard, captions[shard.name], args)] if problem]
+        mismatch = caption_mismatch(shard, captions[shard.name], args) if shard.name in captions else None
+        found += [mismatch] if mismatch else []
+        if shard.name in captions and shard.captions_sha256 is None:
+            warnings.append(f"shard '{shard.name}' records no captions (a store written before stores did, or by "
+                            f"the Python API without them): its text features cannot be checked against column "
+                            f"'{args.csv_caption_key}'; write the store again to have them checked")
         warning = _size_warning(shard, urls.get(shard.name))
         print(report + (' -- PROBLEM' if found else '') + (' -- size differs' if warning else ''))
         problems += found

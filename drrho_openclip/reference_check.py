@@ -201,13 +201,22 @@ def verdict(r: ReferenceReport) -> List[str]:
         lines.append(f"At τ = {r.temperature:g} and batch {r.batch_size}, each anchor's update rests on about "
                      f"{n:.1f} of its {negatives} negatives at the start of training.")
     s = r.suggested_temperature
+    few_negatives = negatives <= TARGET_NEGATIVES  # no τ puts an anchor on TARGET_NEGATIVES effective negatives
+    auto = (f"here --temperature auto would start at its bound τ = {r.auto_temperature:.3g}, since no τ gives an "
+            f"anchor with {negatives} negatives the {TARGET_NEGATIVES:g} effective ones it aims at" if few_negatives
+            else f"here --temperature auto would start at τ = {r.auto_temperature:.3g} (the median anchor on "
+                 f"{TARGET_NEGATIVES:g} effective negatives)")
     lines.append(f"Suggested: drrho's default, τ learned from {s:g} on the paper's SogCLR estimate (--lr-tau auto); "
                  f"at batch {r.batch_size} and reference weight {r.reference_weight:g} it starts each anchor's update "
                  f"on about {r.effective_negatives[s]:.0f} of its {negatives} negatives. Lower starts lost to "
                  f"--loss clip in every real-data setting measured (0.0035 to 0.035, --temperature auto's among "
-                 f"them); here --temperature auto would start at τ = {r.auto_temperature:.3g} (the median anchor on "
-                 f"{TARGET_NEGATIVES:g} effective negatives).")
-    if r.effective_negatives[s] < TARGET_NEGATIVES:
+                 f"them); {auto}.")
+    if few_negatives:
+        lines.append(f"A batch of {r.batch_size} gives each anchor {negatives} negatives, no more than the "
+                     f"{TARGET_NEGATIVES:g} effective ones drrho's --rho auto keeps: ρ is 0 there, and a learned τ "
+                     f"rises toward --tau-max, weighting the negatives about evenly. Batches of "
+                     f"{int(TARGET_NEGATIVES) + 2} or more are where ρ and τ steer the weights.")
+    elif r.effective_negatives[s] < TARGET_NEGATIVES:
         lines.append(f"Even at that start each anchor's update rests on fewer than {TARGET_NEGATIVES:g} negatives: "
                      f"this reference's margins are wide at this weight, and a smaller --reference-weight spreads "
                      f"the weights (they see α·m/τ); the full shift, which concentrates them most, lost to the "
@@ -282,6 +291,8 @@ def main(argv=None) -> int:
         p.error(f'--samples must be at least 2 (retrieval needs candidates), not {args.samples}')
     if args.json and not Path(args.json).resolve().parent.is_dir():  # before a check that may take minutes
         p.error(f"--json {args.json}: no folder '{Path(args.json).resolve().parent}' to write it in")
+    if args.json and Path(args.json).is_dir():
+        p.error(f"--json {args.json} is a folder: name the file to write, e.g. {Path(args.json) / 'check.json'}")
     if args.temperature is not None and not args.temperature > 0:
         p.error('--temperature must be > 0')
     if not args.reference_weight > 0:

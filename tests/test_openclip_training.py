@@ -96,12 +96,13 @@ def test_resuming_onto_other_samples_stops_and_other_settings_are_named(shapes, 
 
     write_store(tmp_path / 'another_ref', 'another', list(range(len(lines) - 1)))
     result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--reference-weight', '1', '--ref-features',
-                                     tmp_path / 'another_ref', '--resume', 'latest', epochs=2))
+                                     tmp_path / 'another_ref', '--resume', 'latest', batch_size=16, epochs=2))
     log = result.stdout + result.stderr
     assert (f"--resume '{first}' was trained with --ref-features of test (), dim 16, this run reads --ref-features "
             f"of another (), dim 16") in log, log[-3000:]
     assert (f"--resume '{first}' was trained with other --loss drrho options; resuming with --reference-weight "
             f"0.25 -> 1.0") in log
+    assert f"--resume '{first}' was trained at global batch 8, this run's is 16 (--batch-size × processes)" in log
     assert checkpoint(tmp_path, 'run', 2)['loss_state'][RUN_KEY]['options']['reference_weight'] == 1.0
 
 
@@ -282,6 +283,9 @@ def test_a_store_of_other_captions_stops_training_and_fails_verify(shapes, tmp_p
     assert precompute.verify([store, *data, '--csv-caption-key', 'label']) == 1
     assert ("PROBLEM: shard 'train' was written from other captions than column 'label' of "
             f"'{shapes['csv']}' holds") in capsys.readouterr().out
+    # a store that records none (written before stores did) passes, saying that its captions went unchecked
+    assert precompute.verify([str(shapes['ref']), *data, '--csv-caption-key', 'label']) == 0
+    assert "WARNING: shard 'train' records no captions" in capsys.readouterr().out
     args = train_args(shapes, tmp_path, 'x', *DRRHO, '--ref-features', store)
     args[args.index('--csv-caption-key') + 1] = 'label'
     result = run_openclip(args, check=False)

@@ -124,6 +124,25 @@ def test_the_verdict_suggests_the_default_start_and_warns_when_it_is_peaked(tmp_
     assert not any(line.startswith('Even at that start') for line in soft.verdict)
 
 
+def test_the_verdict_of_a_batch_of_few_negatives_says_the_batch_is_why(tmp_path):
+    """With no more negatives than the k effective ones 'auto' aims at, no τ reaches k: 'auto' stops at its bound,
+    and a smaller reference weight would not help."""
+    rng = np.random.default_rng(5)
+    image = unit(rng.standard_normal((1000, 16)))
+    store = write_store(tmp_path / 's', image, unit(image + 0.05 * rng.standard_normal((1000, 16))))
+    for batch_size in (2, int(TARGET_NEGATIVES) + 1):
+        report = check(store, batch_size=batch_size, reference_weight=1.0)
+        negatives = batch_size - 1
+        suggestion, = [line for line in report.verdict if line.startswith('Suggested:')]
+        assert (f"would start at its bound τ = {report.auto_temperature:.3g}, since no τ gives an anchor with "
+                f"{negatives} negatives the {TARGET_NEGATIVES:g} effective ones") in suggestion
+        assert any(line.startswith(f"A batch of {batch_size} gives each anchor {negatives} negatives")
+                   for line in report.verdict)
+        assert not any(line.startswith('Even at that start') for line in report.verdict)
+    report = check(store, batch_size=int(TARGET_NEGATIVES) + 2, reference_weight=1.0)  # the first batch that can
+    assert not any(line.startswith('A batch of') for line in report.verdict)
+
+
 def test_the_verdict_points_to_the_full_shift_only_below_it(tmp_path):
     rng = np.random.default_rng(6)
     image = unit(rng.standard_normal((1200, 16)))
@@ -207,7 +226,8 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
 @pytest.mark.parametrize('flags, message', [
     (['--samples', '-5'], '--samples must be at least 2 (retrieval needs candidates), not -5'),
     (['--samples', '0'], '--samples must be at least 2'),
-    (['--json', 'no_such_folder/r.json'], "--json no_such_folder/r.json: no folder '")])
+    (['--json', 'no_such_folder/r.json'], "--json no_such_folder/r.json: no folder '"),
+    (['--json', '.'], "--json . is a folder: name the file to write, e.g. check.json")])
 def test_command_refuses_what_it_would_misreport_or_fail_on_at_the_end(tmp_path, capsys, monkeypatch, flags, message):
     rng = np.random.default_rng(3)
     image = unit(rng.standard_normal((50, 8)))

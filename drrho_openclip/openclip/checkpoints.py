@@ -105,6 +105,11 @@ def check_resumed_run(saved: dict, run: Run, args):
         logging.warning(f"{resume} was trained with {saved.get('reference') or 'no reference model'}, this run "
                         f"reads {run.provenance.get('reference') or 'none'}: its per-sample state was estimated "
                         f"under the other reference's shift, and follows this one's within about an epoch")
+    batch = run.provenance.get('global_batch')
+    if saved.get('global_batch') not in (None, batch):
+        logging.warning(f"{resume} was trained at global batch {saved['global_batch']}, this run's is {batch} "
+                        f"(--batch-size × processes): what the loss takes from the batch follows it (ρ auto, τ's "
+                        f"--lr-tau auto through the run's steps, an auto --tile-size)")
     options, saved_options = run.provenance.get('options', {}), saved.get('options', {})
     changed = [f"{flag(o)} {saved_options.get(o)} -> {options.get(o)}"
                for o in sorted(set(options) | set(saved_options)) if saved_options.get(o) != options.get(o)]

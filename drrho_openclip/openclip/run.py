@@ -21,7 +21,7 @@ class Run:
     # logging call then would give the root logger a second handler: every later line printed twice)
     warnings: List[str] = field(default_factory=list)
     # what a checkpoint's loss state records of the run that wrote it, checked on resume (checkpoints.py): the loss,
-    # its options as given, the reference model in words, a fingerprint of the sample index
+    # its options as given, the reference model in words, a fingerprint of the sample index, the global batch
     provenance: Dict = field(default_factory=dict)
 
 
