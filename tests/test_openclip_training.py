@@ -98,8 +98,8 @@ def test_resuming_onto_other_samples_stops_and_other_settings_are_named(shapes, 
     result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--reference-weight', '1', '--ref-features',
                                      tmp_path / 'another_ref', '--resume', 'latest', batch_size=16, epochs=2))
     log = result.stdout + result.stderr
-    assert (f"--resume '{first}' was trained with --ref-features of test (), dim 16, this run reads --ref-features "
-            f"of another (), dim 16") in log, log[-3000:]
+    assert (f"--resume '{first}' was trained with --ref-features of test, dim 16, this run reads --ref-features "
+            f"of another, dim 16") in log, log[-3000:]
     assert (f"--resume '{first}' was trained with other --loss drrho options; resuming with --reference-weight "
             f"0.25 -> 1.0") in log
     assert f"--resume '{first}' was trained at global batch 8, this run's is 16 (--batch-size × processes)" in log

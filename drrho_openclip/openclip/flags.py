@@ -382,7 +382,8 @@ def trains(args) -> bool:
 def _reference_in_use(args, reference_store) -> Optional[str]:
     """The reference model the run reads, in words (None: none)."""
     if reference_store is not None:
-        return f"--ref-features of {reference_store.model} ({reference_store.pretrained}), dim {reference_store.dim}"
+        weights = f" ({reference_store.pretrained})" if reference_store.pretrained else ''
+        return f"--ref-features of {reference_store.model}{weights}, dim {reference_store.dim}"
     if args.ref_model is not None:
         return f"--ref-model {args.ref_model} --ref-pretrained {args.ref_pretrained}"
     return None

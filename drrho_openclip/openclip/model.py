@@ -46,7 +46,7 @@ def configure_model(run: Run, model, args):
     it never gets. OpenCLIP's logged scale then stays at that start (clamped to at most 100); the τ in force is the
     loss's own metric (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
     run here."""
-    run.provenance['global_batch'] = args.batch_size * args.world_size  # known once the processes are
+    run.provenance['global_batch'] = args.batch_size * args.world_size  # world_size: set once the processes start
     if run.plain_clip:
         check_resumed_loss(None, run, args)
         return
