@@ -60,8 +60,20 @@ def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau, caplog
     assert ('the run has 9 optimiser steps, so --lr-tau auto is 1/9 = 0.111' in caplog.text) == auto
     if loss != 'sogclr':
         assert plugin.create_loss(args).temperature.lr == (float(lr_tau) if lr_tau else 1 / (7 // 2 * 3))
-    with pytest.raises(ValueError, match=r'no optimiser step: 1 training batches per epoch // --accum-freq 2'):
+    with pytest.raises(SystemExit, match=r'no optimiser step: 1 training batches per epoch // --accum-freq 2'):
         plugin.wrap_data({'train': DataInfo(SimpleNamespace(num_batches=1))}, args)
+
+
+@pytest.mark.parametrize('loss', ['jest', 'balanced'])
+def test_a_run_without_an_optimiser_step_stops_for_a_loss_without_a_learning_rate(shapes, loss):
+    """Also where no 'auto' rate needs the count: such a run trained nothing and saved a checkpoint as if it had."""
+    from open_clip_train.data import DataInfo
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss,
+                 '--epochs', 0, *(('--ref-model', shapes['model']) if loss == 'jest' else ()))
+    plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+    with pytest.raises(SystemExit, match=r'no optimiser step: 7 training batches per epoch // --accum-freq 1 × '
+                                         r'--epochs 0 = 0'):
+        plugin.wrap_data({'train': DataInfo(SimpleNamespace(num_batches=7))}, args)
 
 
 def test_openclip_loss_flags_a_loss_does_not_read_are_warned_about(shapes, caplog):

@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import open_clip
 import pytest
@@ -13,7 +14,7 @@ from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, checkpoint,
                       start_openclip, train_args)
 from drrho_openclip import precompute
 from drrho_openclip.features import FeatureStore, FeatureStoreWriter
-from drrho_openclip.openclip.checkpoints import RUN_KEY
+from drrho_openclip.openclip.checkpoints import RUN_KEY, _new_run
 from drrho_openclip.losses.registry import get_loss_spec, list_losses
 
 DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
@@ -46,10 +47,24 @@ def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
     result = run_openclip(train_args(shapes, tmp_path, 'other', *other, '--resume', first, epochs=2), check=False)
     assert result.returncode != 0
     assert (f"--resume '{first}' was trained with --loss drrho, this run's is --loss {other[1]}. Train another "
-            f"loss or data as a new run (another --name); --pretrained '{first}' starts it from those "
-            f"weights") in result.stderr, result.stderr[-2000:]
+            f"loss or data as a new run (another --name); OpenCLIP reads a local-dir: model's weights from its "
+            f"folder, not from --pretrained") in result.stderr, result.stderr[-2000:]
     assert hashlib.sha256(first.read_bytes()).hexdigest() == digest
     assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
+
+
+def test_the_advice_after_a_refused_resume_is_one_that_can_work(tmp_path):
+    """--pretrained loads a checkpoint's weights into a hub or built-in model, strictly: not into a local-dir:
+    model (OpenCLIP ignores it there), nor a model trained with TempNet's networks attached."""
+    plain, tempnet = tmp_path / 'plain.pt', tmp_path / 'tempnet.pt'
+    torch.save({'state_dict': {'module.visual.proj': torch.zeros(1)}}, plain)
+    torch.save({'state_dict': {'module.visual.proj': torch.zeros(1), 'module.loss_temperature.w': torch.zeros(1)}},
+               tempnet)
+    assert _new_run(SimpleNamespace(model='ViT-B-32', resume=str(plain))).endswith(
+        f"; --pretrained '{plain}' starts it from those weights")
+    assert _new_run(SimpleNamespace(model='ViT-B-32', resume=str(tempnet))).endswith(
+        "; its model also holds TempNet's networks, which --pretrained does not load")
+    assert 'from its folder, not from --pretrained' in _new_run(SimpleNamespace(model='local-dir:m', resume=str(plain)))
 
 
 def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(shapes, tmp_path):
@@ -145,6 +160,16 @@ def test_a_checkpoint_is_evaluated_without_training_data(shapes, tmp_path):
         result = evaluate(name, tmp_path / 'tempnet' / 'checkpoints' / 'epoch_1.pt', *loss, check=False)
         assert result.returncode != 0 and ("holds the model of a loss that attached loss_temperature to it (TempNet's: "
                                            "--loss tempnet)") in result.stderr
+    # evaluating calls no loss: a loss that trains with reference features evaluates without them
+    result = evaluate('as_drrho', tmp_path / 'sogclr' / 'checkpoints' / 'epoch_1.pt', '--loss', 'drrho')
+    assert 'image_to_text_R@1' in result.stdout + result.stderr
+    # TempNet's networks of another size: named before the model's strict load fails on them
+    tempnet = tmp_path / 'tempnet' / 'checkpoints' / 'epoch_1.pt'
+    wider = [*loss_args(shapes, 'tempnet')]
+    wider[wider.index('--tempnet-width') + 1] = '32'
+    result = evaluate('tempnet_wider', tempnet, *wider, check=False)
+    assert result.returncode != 0 and f"--resume '{tempnet}' holds loss_temperature." in result.stderr
+    assert "give the --tempnet-width and --tempnet-prototypes it was trained with" in result.stderr
 
 
 @pytest.mark.parametrize('name', ['drrho', 'isogclr', 'tempnet', 'jest'])

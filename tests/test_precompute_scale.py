@@ -99,6 +99,31 @@ def test_the_reference_weights_are_loaded_or_the_run_stops(data, tmp_path, caplo
         assert f"--pretrained {wrong}" in message and f"'{wrong}' is not a checkpoint of it (" in message, message
         assert 'weights_only' not in message and '\n' not in message
         assert not (tmp_path / 'other.partial').exists() and not (tmp_path / 'other').exists()
+    # a checkpoint that lacks some of the model's weights is none of it either
+    state = torch.load(checkpoint)
+    state.pop(next(iter(state)))
+    torch.save(state, truncated)
+    argv[argv.index('--pretrained') + 1] = str(truncated)
+    with pytest.raises(SystemExit) as stop:
+        precompute.main(argv + ['--output', str(tmp_path / 'other')])
+    assert f"'{truncated}' is not a checkpoint of it (it lacks 1 of the model's weights and has 0 others" in str(
+        stop.value)
+
+
+def test_a_checkpoint_trained_with_tempnet_is_a_reference(data, tmp_path, caplog):
+    """TempNet's networks are attached to the model it trains (its checkpoint's loss_* weights): the reference model
+    is the model without them, and computes the features the model alone does."""
+    state = torch.load(data['args'][data['args'].index('--pretrained') + 1])
+    state['loss_temperature.image.prototypes'] = torch.zeros(4, 8)
+    torch.save({'state_dict': {f'module.{k}': v for k, v in state.items()}}, tmp_path / 'tempnet.pt')
+    argv = [str(a) for a in data['args']]
+    argv[argv.index('--pretrained') + 1] = str(tmp_path / 'tempnet.pt')
+    with caplog.at_level('INFO'):
+        assert precompute.main(argv + ['--output', str(tmp_path / 'ref')]) == 0
+    assert "the reference model leaves them out" in caplog.text
+    one, ref = FeatureStore.open(data['one']), FeatureStore.open(tmp_path / 'ref')  # manifests name other files
+    for shard in one.shards:
+        assert np.array_equal(one.shard_features(shard.name), ref.shard_features(shard.name))
 
 
 def test_parts_default_to_torchrun_or_the_slurm_array(monkeypatch):

@@ -375,17 +375,21 @@ class TempNetTemperature(nn.Module):
                 self.text(text_features.detach(), index, 2 * self.epoch + 1))
 
 
+# the names of a loss's modules attached to a model start with this (a model's state_dict keys too)
+ATTACHED_PREFIX = 'loss_'
+
+
 def attach_to_model(model: nn.Module, loss: nn.Module) -> list:
     """Make the loss's learnable submodules (TempNet's) submodules of `model`, named `loss_<name>`, so that
     OpenCLIP's optimiser, DDP and checkpoints (model.state_dict()) include them. Call it before the optimiser is
     built, before DDP wraps the model and before a checkpoint is loaded. Returns the names it attached."""
     names = attached_names(loss)
     for name in names:
-        model.add_module(name, getattr(loss, name.removeprefix('loss_')))
+        model.add_module(name, getattr(loss, name.removeprefix(ATTACHED_PREFIX)))
     return names
 
 
 def attached_names(loss: nn.Module) -> list:
     """The names under which `attach_to_model` attaches the loss's learnable submodules to the model."""
-    return [f'loss_{name}' for name, module in loss.named_children()
+    return [ATTACHED_PREFIX + name for name, module in loss.named_children()
             if any(p.requires_grad for p in module.parameters())]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..losses import attached_names, load_state_shards, per_sample_tables, save_state_shards
+from ..losses import ATTACHED_PREFIX, attached_names, load_state_shards, per_sample_tables, save_state_shards
 from .flags import flag, trains
 from .run import Run
 
@@ -60,9 +60,11 @@ def check_resumed_loss(loss, run: Run, args):
     if not args.resume or not os.path.isfile(args.resume):
         return
     loss_name = run.loss_name
+    if loss is not None:
+        _check_attached_sizes(loss, args)
     if not trains(args):  # evaluating: no loss state is read, but the model's weights are, strictly
         saved = {k.removeprefix('module.').split('.')[0] for k in _checkpoint_of(args.resume).get('state_dict', {})}
-        saved = {name for name in saved if name.startswith('loss_')}
+        saved = {name for name in saved if name.startswith(ATTACHED_PREFIX)}
         own = set(attached_names(loss)) if loss is not None else set()
         if saved != own:
             raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the model of a loss that attached "
@@ -82,16 +84,30 @@ def check_resumed_loss(loss, run: Run, args):
         raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the loss state of another loss or other "
                          f"flags than this run's --loss {loss_name} (differing: {', '.join(differ[:4])}"
                          f"{', ...' if len(differ) > 4 else ''}; the checkpoint has {len(saved)} entries, this loss "
-                         f"{len(own)}). Train another loss as a new run (another --name); --pretrained "
-                         f"'{args.resume}' starts it from those weights")
+                         f"{len(own)}). {_new_run(args)}")
+
+
+def _check_attached_sizes(loss, args):
+    """The networks a loss attaches to the model (TempNet's) against those the checkpoint's model holds: other sizes
+    (--tempnet-width, --tempnet-prototypes) stop the run, naming them, before the model's strict load fails."""
+    names = attached_names(loss)
+    if not names:
+        return
+    saved = {k.removeprefix('module.'): v.shape for k, v in _checkpoint_of(args.resume).get('state_dict', {}).items()}
+    for name in names:
+        for key, value in getattr(loss, name.removeprefix(ATTACHED_PREFIX)).state_dict().items():
+            shape = saved.get(f'{name}.{key}')
+            if shape is not None and tuple(shape) != tuple(value.shape):
+                raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds {name}.{key} of shape "
+                                 f"{tuple(shape)}, this run's --loss {args.loss} one of {tuple(value.shape)}: give the "
+                                 f"--tempnet-width and --tempnet-prototypes it was trained with")
 
 
 def check_resumed_run(saved: dict, run: Run, args):
     """The run that wrote the checkpoint (its RUN_KEY) against this one: another --loss, or per-sample state whose
     rows are other samples, stops; another reference model or other loss options are logged as a warning."""
     resume = f"drrho-openclip: --resume '{args.resume}'"
-    new_run = (f"Train another loss or data as a new run (another --name); --pretrained '{args.resume}' starts it "
-               f"from those weights")
+    new_run = _new_run(args)
     if saved.get('loss') != run.loss_name:
         raise SystemExit(f"{resume} was trained with --loss {saved.get('loss')}, this run's is --loss "
                          f"{run.loss_name}. {new_run}")
@@ -116,6 +132,17 @@ def check_resumed_run(saved: dict, run: Run, args):
     if changed:
         logging.warning(f"{resume} was trained with other --loss {run.loss_name} options; resuming with "
                         f"{', '.join(changed)}")
+
+
+def _new_run(args) -> str:
+    """What to do instead of resuming: a new run, from the checkpoint's weights where --pretrained can load them."""
+    advice = "Train another loss or data as a new run (another --name)"
+    if (args.model or '').startswith('local-dir:'):
+        return f"{advice}; OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained"
+    saved = _checkpoint_of(args.resume).get('state_dict', {})
+    if any(k.removeprefix('module.').startswith(ATTACHED_PREFIX) for k in saved):
+        return f"{advice}; its model also holds TempNet's networks, which --pretrained does not load"
+    return f"{advice}; --pretrained '{args.resume}' starts it from those weights"
 
 
 def resolve_loss_state(loss, loss_state, args):

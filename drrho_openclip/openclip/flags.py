@@ -166,7 +166,7 @@ def check_args(args, parser) -> Run:
             parser.error(f"{flag(option)} has no effect for --loss {args.loss} with these flags ({unread[option]})")
     reads_reference = needs_reference(spec, options)
     uses_reference = args.ref_features is not None or args.ref_model is not None
-    if reads_reference and not uses_reference:
+    if reads_reference and not uses_reference and trains(args):  # evaluating: the loss is not called
         parser.error(f"--loss {args.loss} needs reference features: pass --ref-features DIR (precomputed with "
                      f"drrho-openclip-features) or --ref-model NAME --ref-pretrained TAG")
     if uses_reference and not reads_reference:

@@ -34,13 +34,13 @@ def wrap_data(run: Run, data: dict, args) -> dict:
     if 'train' not in data or run.plain_clip:
         return data
     data = _with_sample_extras(run, data, args)
+    batches = data['train'].dataloader.num_batches
+    steps = batches // args.accum_freq * args.epochs
+    if steps < 1:
+        raise SystemExit(f"drrho-openclip: this run has no optimiser step: {batches} training batches per epoch "
+                         f"// --accum-freq {args.accum_freq} × --epochs {args.epochs} = 0; give more training "
+                         f"data, a smaller --batch-size or --accum-freq, or more --epochs")
     if hasattr(run.loss, 'set_total_steps'):
-        batches = data['train'].dataloader.num_batches
-        steps = batches // args.accum_freq * args.epochs
-        if steps < 1:
-            raise ValueError(f"drrho-openclip: this run has no optimiser step: {batches} training batches per epoch "
-                             f"// --accum-freq {args.accum_freq} × --epochs {args.epochs} = 0; give more training "
-                             f"data, a smaller --batch-size or --accum-freq, or more --epochs")
         lr_tau = run.loss.set_total_steps(steps)
         if lr_tau is not None:
             logging.info(f"drrho-openclip: the run has {steps} optimiser steps, so --lr-tau auto is "

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from ..losses import ATTACHED_PREFIX
+
 CHECKPOINT_SUFFIXES = ('.pt', '.pth', '.bin', '.safetensors', '.ckpt')
 
 
@@ -35,14 +37,24 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
         name, pretrained=None if is_file or not pretrained else pretrained, device=device, precision=precision,
         cache_dir=cache_dir)
     if is_file:
-        try:
-            open_clip.load_checkpoint(model, pretrained, device=device)
+        try:  # not strict: a checkpoint trained with TempNet also holds its networks, which the model has not
+            keys = open_clip.load_checkpoint(model, pretrained, device=device, strict=False)
         except Exception as e:  # noqa: BLE001 - torch, pickle and OpenCLIP's resizing each raise their own kind
             # their messages name neither the file nor the model (and torch's goes on to suggest unpickling
             # without weights_only, which would run a foreign file's code): the cause's first sentence only
             cause = str(e).strip().split('\n')[0].split('. ')[0]
             raise ValueError(f"reference model {name}: '{pretrained}' is not a checkpoint of it "
                              f"({type(e).__name__}: {cause})") from e
+        # (big_vision .npz weights load strictly by their own code and report no keys)
+        missing, unexpected = getattr(keys, 'missing_keys', []), getattr(keys, 'unexpected_keys', [])
+        foreign = [k for k in unexpected if not k.startswith(ATTACHED_PREFIX)]
+        if missing or foreign:
+            raise ValueError(f"reference model {name}: '{pretrained}' is not a checkpoint of it (it lacks "
+                             f"{len(missing)} of the model's weights and has {len(foreign)} others, e.g. "
+                             f"{', '.join(missing[:2] + foreign[:2])})")
+        if unexpected:
+            logging.info(f"drrho-openclip: '{pretrained}' also holds the networks a loss attached to the model it "
+                         f"trained (TempNet's); the reference model leaves them out")
     if pretrained:
         logging.info(f"drrho-openclip: reference model {name}, weights from '{pretrained}'")
     else:
