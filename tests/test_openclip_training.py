@@ -56,15 +56,14 @@ def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
 def test_the_advice_after_a_refused_resume_is_one_that_can_work(tmp_path):
     """--pretrained loads a checkpoint's weights into a hub or built-in model, strictly: not into a local-dir:
     model (OpenCLIP ignores it there), nor a model trained with TempNet's networks attached."""
-    plain, tempnet = tmp_path / 'plain.pt', tmp_path / 'tempnet.pt'
-    torch.save({'state_dict': {'module.visual.proj': torch.zeros(1)}}, plain)
-    torch.save({'state_dict': {'module.visual.proj': torch.zeros(1), 'module.loss_temperature.w': torch.zeros(1)}},
-               tempnet)
-    assert _new_run(SimpleNamespace(model='ViT-B-32', resume=str(plain))).endswith(
-        f"; --pretrained '{plain}' starts it from those weights")
-    assert _new_run(SimpleNamespace(model='ViT-B-32', resume=str(tempnet))).endswith(
+    plain = {'visual.proj': torch.zeros(1)}  # a checkpoint's model weights, without DDP's 'module.'
+    tempnet = {**plain, 'loss_temperature.w': torch.zeros(1)}
+    args = SimpleNamespace(model='ViT-B-32', resume='run/epoch_1.pt')
+    assert _new_run(args, plain).endswith("; --pretrained 'run/epoch_1.pt' starts it from those weights")
+    assert _new_run(args, tempnet).endswith(
         "; its model also holds TempNet's networks, which --pretrained does not load")
-    assert 'from its folder, not from --pretrained' in _new_run(SimpleNamespace(model='local-dir:m', resume=str(plain)))
+    local = SimpleNamespace(model='local-dir:m', resume='run/epoch_1.pt')
+    assert 'from its folder, not from --pretrained' in _new_run(local, plain)
 
 
 def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(shapes, tmp_path):

@@ -60,11 +60,12 @@ def check_resumed_loss(loss, run: Run, args):
     if not args.resume or not os.path.isfile(args.resume):
         return
     loss_name = run.loss_name
+    checkpoint = _checkpoint_of(args.resume)  # read once (memory-mapped) for every check below
+    weights = {k.removeprefix('module.'): v for k, v in checkpoint.get('state_dict', {}).items()}
     if loss is not None:
-        _check_attached_sizes(loss, args)
+        _check_attached_sizes(loss, weights, args)
     if not trains(args):  # evaluating: no loss state is read, but the model's weights are, strictly
-        saved = {k.removeprefix('module.').split('.')[0] for k in _checkpoint_of(args.resume).get('state_dict', {})}
-        saved = {name for name in saved if name.startswith(ATTACHED_PREFIX)}
+        saved = {k.split('.')[0] for k in weights if k.startswith(ATTACHED_PREFIX)}
         own = set(attached_names(loss)) if loss is not None else set()
         if saved != own:
             raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the model of a loss that attached "
@@ -72,9 +73,9 @@ def check_resumed_loss(loss, run: Run, args):
                              f"--loss {loss_name} {', '.join(sorted(own)) or 'none'}: evaluate with the --loss flags it "
                              f"was trained with")
         return
-    saved = _loss_state_of(args.resume) or {}
+    saved = checkpoint.get('loss_state') or {}
     if RUN_KEY in saved:
-        check_resumed_run(saved[RUN_KEY], run, args)
+        check_resumed_run(saved[RUN_KEY], run, args, weights)
     own = set(loss.state_dict()) if loss is not None else set()
     tables = set(per_sample_tables(loss)) if loss is not None else set()
     # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
@@ -84,30 +85,27 @@ def check_resumed_loss(loss, run: Run, args):
         raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the loss state of another loss or other "
                          f"flags than this run's --loss {loss_name} (differing: {', '.join(differ[:4])}"
                          f"{', ...' if len(differ) > 4 else ''}; the checkpoint has {len(saved)} entries, this loss "
-                         f"{len(own)}). {_new_run(args)}")
+                         f"{len(own)}). {_new_run(args, weights)}")
 
 
-def _check_attached_sizes(loss, args):
-    """The networks a loss attaches to the model (TempNet's) against those the checkpoint's model holds: other sizes
-    (--tempnet-width, --tempnet-prototypes) stop the run, naming them, before the model's strict load fails."""
-    names = attached_names(loss)
-    if not names:
-        return
-    saved = {k.removeprefix('module.'): v.shape for k, v in _checkpoint_of(args.resume).get('state_dict', {}).items()}
-    for name in names:
+def _check_attached_sizes(loss, weights: dict, args):
+    """The networks a loss attaches to the model (TempNet's) against those the checkpoint's model holds (`weights`,
+    without DDP's 'module.'): other sizes (--tempnet-width, --tempnet-prototypes) stop the run, naming them, before
+    the model's strict load fails."""
+    for name in attached_names(loss):
         for key, value in getattr(loss, name.removeprefix(ATTACHED_PREFIX)).state_dict().items():
-            shape = saved.get(f'{name}.{key}')
-            if shape is not None and tuple(shape) != tuple(value.shape):
+            saved = weights.get(f'{name}.{key}')
+            if saved is not None and tuple(saved.shape) != tuple(value.shape):
                 raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds {name}.{key} of shape "
-                                 f"{tuple(shape)}, this run's --loss {args.loss} one of {tuple(value.shape)}: give the "
-                                 f"--tempnet-width and --tempnet-prototypes it was trained with")
+                                 f"{tuple(saved.shape)}, this run's --loss {args.loss} one of {tuple(value.shape)}: "
+                                 f"give the --tempnet-width and --tempnet-prototypes it was trained with")
 
 
-def check_resumed_run(saved: dict, run: Run, args):
+def check_resumed_run(saved: dict, run: Run, args, weights: dict):
     """The run that wrote the checkpoint (its RUN_KEY) against this one: another --loss, or per-sample state whose
     rows are other samples, stops; another reference model or other loss options are logged as a warning."""
     resume = f"drrho-openclip: --resume '{args.resume}'"
-    new_run = _new_run(args)
+    new_run = _new_run(args, weights)
     if saved.get('loss') != run.loss_name:
         raise SystemExit(f"{resume} was trained with --loss {saved.get('loss')}, this run's is --loss "
                          f"{run.loss_name}. {new_run}")
@@ -134,13 +132,13 @@ def check_resumed_run(saved: dict, run: Run, args):
                         f"{', '.join(changed)}")
 
 
-def _new_run(args) -> str:
-    """What to do instead of resuming: a new run, from the checkpoint's weights where --pretrained can load them."""
+def _new_run(args, weights: dict) -> str:
+    """What to do instead of resuming: a new run, from the checkpoint's weights (`weights`, without DDP's 'module.')
+    where --pretrained can load them."""
     advice = "Train another loss or data as a new run (another --name)"
     if (args.model or '').startswith('local-dir:'):
         return f"{advice}; OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained"
-    saved = _checkpoint_of(args.resume).get('state_dict', {})
-    if any(k.removeprefix('module.').startswith(ATTACHED_PREFIX) for k in saved):
+    if any(k.startswith(ATTACHED_PREFIX) for k in weights):
         return f"{advice}; its model also holds TempNet's networks, which --pretrained does not load"
     return f"{advice}; --pretrained '{args.resume}' starts it from those weights"
 
