@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import open_clip
 import PIL.Image
 import pytest
+import torch
 
 from conftest import run_openclip, train_args
 from drrho_openclip import openclip as plugin
@@ -40,6 +41,38 @@ def test_the_loss_and_what_it_holds_go_to_the_models_device(shapes, extra):
     assert {name: t.device.type for name, t in tensors.items() if t.device.type != 'meta'} == {}
     if args.loss == 'tempnet':
         assert any(name.startswith('loss_') for name, _ in model.named_children())
+
+
+@pytest.mark.parametrize('loss', ['sogclr', 'isogclr', 'balanced'])
+def test_a_models_logit_bias_is_frozen_and_passed_over(shapes, loss, caplog):
+    """A SigLIP-style model (init_logit_bias) returns its logit_bias with the features, and OpenCLIP's loop passes it
+    to the loss: every plugin loss takes it and leaves it alone (one number added to every logit cancels in each
+    softmax), and the model's bias is frozen, so DDP does not wait for a gradient it never gets."""
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss)
+    model = open_clip.create_model(shapes['model'], init_logit_bias=-10.0, output_dict=True)
+    with caplog.at_level(logging.INFO):
+        plugin.configure_model(model, args)
+    assert not model.logit_bias.requires_grad and "the model's logit_bias is frozen" in caplog.text
+    training_loss = plugin.create_loss(args)
+    size = open_clip.get_model_config(shapes['model'])['vision_cfg']['image_size']
+    outputs = model(torch.randn(8, 3, size, size), torch.randint(0, 1000, (8, 16)))
+    assert 'logit_bias' in outputs
+    total = sum(training_loss(**outputs, index=torch.arange(8), output_dict=True).values())
+    total.backward()
+    assert torch.isfinite(total) and model.logit_bias.grad is None
+
+
+@pytest.mark.parametrize('accum_freq, tiled', [(1, False), (4, True)])
+def test_the_global_batch_of_an_accumulating_run_is_its_whole_window(shapes, accum_freq, tiled):
+    """With --accum-freq the loop calls the loss on the whole window: 4 batches of 4096 on one process are 16384
+    anchors against 16384 candidates, past what the untiled core holds on the CPU, so an automatic --tile-size tiles;
+    and the run records that global batch, which resume compares."""
+    from drrho_openclip.openclip import run
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss',
+                 'sogclr', '--batch-size', 4096, '--accum-freq', accum_freq)
+    plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+    assert (run.active().options['tile_size'] > 0) == tiled
+    assert run.active().provenance['global_batch'] == 4096 * accum_freq
 
 
 @pytest.mark.parametrize('loss, lr_tau', [('drrho', None), ('fastclip', None), ('drrho', '0.003'), ('sogclr', None)])

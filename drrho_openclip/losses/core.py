@@ -203,7 +203,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         return tau_image, tau_text
 
     def forward(self, image_features, text_features, logit_scale=None, index=None,
-                ref_image_features=None, ref_text_features=None, accum_step=None, output_dict=False):
+                ref_image_features=None, ref_text_features=None, accum_step=None, output_dict=False, **_):
         if self.use_reference:
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         elif self.distill_weight > 0:

@@ -122,7 +122,7 @@ def check_resumed_run(saved: dict, run: Run, args, weights: dict):
     batch = run.provenance.get('global_batch')
     if saved.get('global_batch') not in (None, batch):
         logging.warning(f"{resume} was trained at global batch {saved['global_batch']}, this run's is {batch} "
-                        f"(--batch-size × processes): what the loss takes from the batch follows it (ρ auto, τ's "
+                        f"(--batch-size × --accum-freq × processes): what the loss takes from the batch follows it (ρ auto, τ's "
                         f"--lr-tau auto through the run's steps, an auto --tile-size)")
     options, saved_options = run.provenance.get('options', {}), saved.get('options', {})
     changed = [f"{flag(o)} {saved_options.get(o)} -> {options.get(o)}"

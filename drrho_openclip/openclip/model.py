@@ -46,14 +46,16 @@ def configure_model(run: Run, model, args):
     it never gets. OpenCLIP's logged scale then stays at that start (clamped to at most 100); the τ in force is the
     loss's own metric (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
     run here."""
-    run.provenance['global_batch'] = args.batch_size * args.world_size  # world_size: set once the processes start
+    # with --accum-freq the loop calls the loss on the whole window: accum_freq batches on every rank
+    local_batch = args.batch_size * args.accum_freq
+    run.provenance['global_batch'] = local_batch * args.world_size  # world_size: set once the processes start
     if run.plain_clip:
         check_resumed_loss(None, run, args)
         return
     device = model.logit_scale.device
     options = dict(run.options)
     if options.get('tile_size', 0) is None:
-        options['tile_size'] = auto_tile_size(args.batch_size, args.batch_size * args.world_size, device)
+        options['tile_size'] = auto_tile_size(local_batch, local_batch * args.world_size, device)
     supplied = get_loss_spec(run.loss_name).run_options
     from_run = dict(num_samples=run.sample_index_size, rank=args.rank, world_size=args.world_size,
                     local_loss=args.local_loss, gather_with_grad=args.gather_with_grad, seed=args.seed)
@@ -84,6 +86,11 @@ def configure_model(run: Run, model, args):
             model.logit_scale.fill_(math.log(1.0 / temperature))
     if not _uses_logit_scale(loss):
         model.logit_scale.requires_grad_(False)
+    if getattr(model, 'logit_bias', None) is not None:
+        # a SigLIP-style model's bias: one number added to every logit cancels in each softmax of these losses, so
+        # none of them has a use for it, and DDP must not wait for its gradient
+        model.logit_bias.requires_grad_(False)
+        logging.info(f"drrho-openclip: the model's logit_bias is frozen (--loss {run.loss_name} has no bias term)")
     run.options, run.loss = options, loss
 
 
