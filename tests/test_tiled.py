@@ -278,6 +278,31 @@ def test_never_materialises_the_pairwise_matrix(normalized_weight):
     assert sizes['tiled'] <= b * tile
 
 
+def test_distillation_in_chunks_holds_a_chunk_of_rows_at_a_time():
+    """The KD term of a tiled run takes T anchors at a time and recomputes their logits in backward: the same value
+    and gradients as all rows at once, never a b×B matrix."""
+    from drrho_openclip.losses.distill import distillation_loss
+    b = n = 64
+    rows, dim = 8, 4
+    g = torch.Generator().manual_seed(0)
+    student = [torch.nn.functional.normalize(torch.randn(b, dim, generator=g, dtype=torch.float64), dim=1)
+               for _ in range(2)]
+    teacher = [torch.nn.functional.normalize(torch.randn(b, dim, generator=g, dtype=torch.float64), dim=1)
+               for _ in range(2)]
+    sizes, results = {}, {}
+    for name, rows_per_chunk in [('whole', 0), ('chunked', rows)]:
+        image, text = (x.clone().requires_grad_() for x in student)
+        scale = torch.tensor(14.0, dtype=torch.float64, requires_grad=True)
+        with _LargestTensor() as probe:
+            value = distillation_loss((image, text), (image, text), teacher, teacher, scale, 20.0, rows_per_chunk)
+            grads = torch.autograd.grad(value, (image, text, scale))
+        sizes[name], results[name] = probe.largest, (value, *grads)
+    for got, want in zip(results['chunked'], results['whole']):
+        torch.testing.assert_close(got, want)
+    assert sizes['whole'] >= b * n
+    assert sizes['chunked'] <= rows * n
+
+
 def _log_g_by_definition(anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None):
     """log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i) written out, every derivative left to autograd."""
     sim = anchors @ candidates.T
@@ -382,16 +407,16 @@ F32 = dict(rtol=2e-5, atol=2e-5)
                    temperature_optimizer='model')),          # τ = 1/logit_scale, ρ term
     ('drrho', dict(temperature='auto', gamma=0.5, lr_tau=0.05)),  # τ 'auto', learned by the loss's Adam, ρ from the batch
     ('sogclr', dict(gamma=0.5)),                             # no reference
+    ('drrho', dict(gamma=0.5, distill_weight=0.5)),          # KD, T anchors at a time in the tiled run
 ])
 @pytest.mark.parametrize('tile_size', [1, 5, 64])
 def test_dro_loss_with_tiled_aggregation(name, options, tile_size):
     losses = {}
     for kind in ('untiled', 'tiled'):
-        loss = create_loss(name, num_samples=NUM_SAMPLES, **options)
+        loss = create_loss(name, num_samples=NUM_SAMPLES, tile_size=tile_size if kind == 'tiled' else 0, **options)
         loss.set_total_steps(1)
-        if kind == 'tiled':
-            loss.aggregate = make_tiled_aggregate(tile_size)
         losses[kind] = loss
+    assert losses['tiled'].aggregate is not dense_aggregate and losses['tiled'].distill_rows == tile_size
     assert losses['untiled'].aggregate is dense_aggregate
     with_ref = losses['untiled'].use_reference
 

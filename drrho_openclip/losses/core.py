@@ -66,7 +66,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     With `distill_weight` λ > 0 (a global τ only), the result is {'contrastive_loss': (1−λ) L,
     'distill_loss': λ τ KD} with KD the MobileCLIP distillation term (`distill.py`) at the student's logit scale 1/τ
     and the teacher's `teacher_logit_scale` (a number, or 'auto': calibrated on the first batch);
-    the factor τ (detached) puts KD in the units of the τ-scaled DRO loss, as CLIP's cross-entropy is in KD's.
+    the factor τ (detached) puts KD in the units of the τ-scaled DRO loss, as CLIP's cross-entropy is in KD's;
+    `distill_rows` > 0 computes it that many anchors at a time (with the tiled aggregation: its tile size).
 
     A temperature source may learn outside the model's optimiser (per-sample τ): it then has a method
     `step(objective)`, called once per optimiser step with the per-anchor objective (whose τ-gradient it uses).
@@ -95,6 +96,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             positive_in_denominator: bool = False,
             distill_weight: float = 0.0,
             teacher_logit_scale='auto',
+            distill_rows: int = 0,
     ):
         super().__init__()
         if positive_in_denominator != (epsilon is None):
@@ -121,6 +123,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.positive_in_denominator = positive_in_denominator
         self.distill_weight = distill_weight
         self.teacher_logit_scale = None
+        self.distill_rows = distill_rows  # anchors per chunk of the KD term (0: all at once); the tiled core's T
         if distill_weight > 0:
             self.teacher_logit_scale = TeacherLogitScale(teacher_logit_scale, world_size)
         self._window = None  # (accumulation window's index, its log u) while --accum-freq replays a window
@@ -274,7 +277,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                 kd = distillation_loss((at_least_float32(image), at_least_float32(text)),
                                        (at_least_float32(all_image), at_least_float32(all_text)),
                                        (ref_image, ref_text), (all_ref_image, all_ref_text),
-                                       1.0 / tau_image, teacher_scale.to(ref_image.dtype))
+                                       1.0 / tau_image, teacher_scale.to(ref_image.dtype), self.distill_rows)
                 losses = {'contrastive_loss': (1 - self.distill_weight) * loss,
                           'distill_loss': self.distill_weight * tau_image.detach() * kd}
                 if self.training:

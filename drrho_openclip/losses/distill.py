@@ -18,6 +18,7 @@ Pure torch: anchors are this rank's rows, candidates the global batch, as in the
 """
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .base import KeepsStatePrecision
 from .collectives import check_device, gather_batch
@@ -35,16 +36,29 @@ def soft_cross_entropy(teacher_logits: torch.Tensor, student_logits: torch.Tenso
     return -(teacher_logits.softmax(dim=1) * student_logits.log_softmax(dim=1)).sum(dim=1).mean()
 
 
-def distillation_loss(anchors, candidates, ref_anchors, ref_candidates, logit_scale, teacher_logit_scale):
+def distillation_loss(anchors, candidates, ref_anchors, ref_candidates, logit_scale, teacher_logit_scale,
+                      rows_per_chunk: int = 0):
     """KD of the local (image, text) anchors against the global (image, text) candidates, given as pairs; the
     reference pairs likewise. `logit_scale` is the student's (gradient flows to it), `teacher_logit_scale` a number or
-    a 0-dim tensor."""
+    a 0-dim tensor. `rows_per_chunk` > 0 takes that many anchors at a time and recomputes each chunk's logits in
+    backward: memory linear in the batch, as the tiled DRO core's, for the price of a second forward pass."""
     (image, text), (all_image, all_text) = anchors, candidates
     (ref_image, ref_text), (all_ref_image, all_ref_text) = ref_anchors, ref_candidates
     t, s = teacher_logit_scale, logit_scale
-    image_to_text = soft_cross_entropy(t * ref_image @ all_ref_text.T, s * image @ all_text.T)
-    text_to_image = soft_cross_entropy(t * ref_text @ all_ref_image.T, s * text @ all_image.T)
-    return (image_to_text + text_to_image) / 2
+
+    def summed(ref_anchor, all_ref_candidate, anchor, all_candidate, s):  # Σ over the rows, not the mean
+        return soft_cross_entropy(t * ref_anchor @ all_ref_candidate.T, s * anchor @ all_candidate.T) * len(anchor)
+
+    def direction(ref_anchor, all_ref_candidate, anchor, all_candidate):
+        if not rows_per_chunk or len(anchor) <= rows_per_chunk:
+            return summed(ref_anchor, all_ref_candidate, anchor, all_candidate, s)
+        return sum(checkpoint(summed, ref_anchor[i:i + rows_per_chunk], all_ref_candidate,
+                              anchor[i:i + rows_per_chunk], all_candidate, s, use_reentrant=False)
+                   for i in range(0, len(anchor), rows_per_chunk))
+
+    rows = len(image)
+    return (direction(ref_image, all_ref_text, image, all_text) + direction(ref_text, all_ref_image, text, all_image)
+            ) / (2 * rows)
 
 
 def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = CALIBRATION_ANCHORS,

@@ -186,6 +186,7 @@ def _dro(o, use_reference, temperature=None, sharding=None, **core_options):
         raise ValueError(f"tile_size must be ≥ 0 (0: untiled), got {o.tile_size}")
     if o.tile_size:
         core_options['aggregate'] = make_tiled_aggregate(o.tile_size)
+        core_options['distill_rows'] = o.tile_size
     if sharding is None:
         sharding = _sharding(o)
     return DROContrastiveLoss(
