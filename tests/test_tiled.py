@@ -69,6 +69,15 @@ def test_matches_untiled(tile_size, offset, inv_tau_kind, with_ref):
     assert all(g.abs().max() > 1e-3 for g in reference[1])
 
 
+@pytest.mark.parametrize('aggregation', ['untiled', 'tiled'])
+def test_inverse_temperature_may_be_a_number(aggregation):
+    """Both entry points take 1/τ as a plain number, as their docstrings say, with the value of a 0-dim tensor."""
+    rows = log_mean_exp_rows if aggregation == 'untiled' else tiled_rows(3)
+    g = torch.Generator().manual_seed(0)
+    anchors, candidates = torch.randn(4, 5, generator=g), torch.randn(9, 5, generator=g)
+    torch.testing.assert_close(rows(anchors, candidates, 2, 10.0), rows(anchors, candidates, 2, torch.tensor(10.0)))
+
+
 def test_large_inverse_temperature_is_stable():
     """τ = 0.01 on unit features: logits of ±400 overflow a naive exp; the streaming max must keep it exact."""
     anchors, candidates, _, ref_a, ref_c, upstream = _inputs(7, 'scalar', True)

@@ -151,12 +151,9 @@ def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, re
                       negative_log_weight=None) -> torch.Tensor:
     """log g_i = log mean_{j≠i} exp(ℓ̂_ij·inv_tau_i [+ log w_ij]) of every anchor [b] over the candidates [B] (anchor
     i's positive is candidate offset + i), ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii), the reference term only with
-    reference features. Differentiable in the features and `inv_tau` (a scalar or a [b] tensor)."""
-    with autocast_disabled(anchors.device):
-        log_g, slope, _, _ = _DenseLogMeanExp.apply(
-            anchors, candidates, ref_anchors, ref_candidates, passes.per_row(inv_tau, anchors), None,
-            negative_log_weight, offset, torch.is_tensor(inv_tau) and inv_tau.requires_grad)
-        return passes.linear_in_inv_tau(log_g, slope, inv_tau)
+    reference features. Differentiable in the features and `inv_tau` (a number, 0-dim, [1] or [b])."""
+    return passes.log_mean_exp_rows_with(_DenseLogMeanExp, anchors, candidates, offset, inv_tau, ref_anchors,
+                                         ref_candidates, negative_log_weight)
 
 
 def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
@@ -164,16 +161,5 @@ def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
     """(log g of the image anchors over the texts, log g of the text anchors over the images), holding b×B matrices
     (the contract in the module docstring). When the anchors are the whole batch (one process) the text direction's
     matrix is the transpose of the image direction's: one product, one matrix and one gradient serve both."""
-    ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
-    if not (image is all_image and text is all_text):
-        return (log_mean_exp_rows(image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
-                                  negative_log_weight),
-                log_mean_exp_rows(text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
-                                  negative_log_weight))
-    with autocast_disabled(image.device):
-        with_slope = inv_tau_image.requires_grad or inv_tau_text.requires_grad
-        log_g_image, slope_image, log_g_text, slope_text = _DenseLogMeanExp.apply(
-            image, text, ref_image, ref_text, passes.per_row(inv_tau_image, image), passes.per_row(inv_tau_text, text),
-            negative_log_weight, offset, with_slope)
-        return (passes.linear_in_inv_tau(log_g_image, slope_image, inv_tau_image),
-                passes.linear_in_inv_tau(log_g_text, slope_text, inv_tau_text))
+    return passes.aggregate_with(_DenseLogMeanExp, image, text, all_image, all_text, offset, inv_tau_image,
+                                 inv_tau_text, reference, negative_log_weight)

@@ -8,8 +8,9 @@ are ℓ̂_ij·inv_tau_i [+ log w_ij], ℓ̂_ij = d_ij − d_ii, −inf at the po
 These are plain torch functions: on CUDA, TorchInductor compiles each call site (`fused`) into a few kernels that
 stream the block (a reduction pass forward, one pass backward) instead of one kernel per operation, each reading and
 writing a b×B float32 matrix; on the CPU they run eagerly, in place where they can. Around them, what both
-aggregations share: 1/τ as one constant per anchor (`per_row`) and the result made differentiable in 1/τ through its
-slope (`linear_in_inv_tau`).
+aggregations share: 1/τ as one constant per anchor (`per_row`), the result made differentiable in 1/τ through its
+slope (`linear_in_inv_tau`), and the entry points that run either aggregation's autograd function
+(`log_mean_exp_rows_with`, `aggregate_with`).
 """
 import functools
 import importlib.util
@@ -18,7 +19,7 @@ import warnings
 
 import torch
 
-from .precision import elementwise_dtype
+from .precision import autocast_disabled, elementwise_dtype
 
 
 def per_row(inv_tau, features: torch.Tensor) -> torch.Tensor:
@@ -121,6 +122,37 @@ def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.T
     if not inv_tau.requires_grad:
         return value
     return value + slope * (inv_tau - inv_tau.detach())
+
+
+def log_mean_exp_rows_with(function, anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
+                           negative_log_weight=None, *options) -> torch.Tensor:
+    """log g of the anchors over the candidates through an aggregation's autograd `function` (dense or tiled, given
+    its own `options` after the common arguments), differentiable in `inv_tau` (a number, 0-dim, [1] or [b])."""
+    inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
+    with autocast_disabled(anchors.device):
+        log_g, slope, _, _ = function.apply(anchors, candidates, ref_anchors, ref_candidates, per_row(inv_tau, anchors),
+                                            None, negative_log_weight, int(offset), inv_tau.requires_grad, *options)
+    return linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
+
+
+def aggregate_with(function, image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference,
+                   negative_log_weight, *options):
+    """The `aggregate` contract (`dense.py`'s docstring) through an aggregation's autograd `function`: each direction
+    on its own; or, when the anchors are the whole batch (one process), both from one pass over one matrix, the text
+    direction's being the transpose of the image direction's."""
+    ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
+    if not (image is all_image and text is all_text):
+        return (log_mean_exp_rows_with(function, image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
+                                       negative_log_weight, *options),
+                log_mean_exp_rows_with(function, text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
+                                       negative_log_weight, *options))
+    inv_tau_image, inv_tau_text = (torch.as_tensor(t, device=image.device) for t in (inv_tau_image, inv_tau_text))
+    with autocast_disabled(image.device):
+        log_g_image, slope_image, log_g_text, slope_text = function.apply(
+            image, text, ref_image, ref_text, per_row(inv_tau_image, image), per_row(inv_tau_text, text),
+            negative_log_weight, int(offset), inv_tau_image.requires_grad or inv_tau_text.requires_grad, *options)
+    return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image.to(log_g_image.dtype)),
+            linear_in_inv_tau(log_g_text, slope_text, inv_tau_text.to(log_g_text.dtype)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -185,7 +185,7 @@ class _TiledLogMeanExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, inv_tau, inv_tau_columns, negative_log_weight,
-                offset, tile_size, with_slope):
+                offset, with_slope, tile_size):
         normalize = isinstance(negative_log_weight, RowNormalizedLogWeight)
         log_weight = negative_log_weight.log_weight if normalize else negative_log_weight
         # a tile's columns are whole rows: their log-weights, normalised or not, come whole from the tile
@@ -301,12 +301,9 @@ def tiled_log_mean_exp_rows(
     or wider. `negative_log_weight` must be row-separable per tile, or a `RowNormalizedLogWeight` (see the module
     docstring).
     """
-    inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
-    _check_inputs(anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, tile_size)
-    log_g, slope, _, _ = _TiledLogMeanExp.apply(anchors, candidates, ref_anchors, ref_candidates,
-                                                passes.per_row(inv_tau, anchors), None, negative_log_weight,
-                                                int(offset), tile_size, inv_tau.requires_grad)
-    return passes.linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
+    _check_inputs(anchors, candidates, offset, torch.as_tensor(inv_tau), ref_anchors, ref_candidates, tile_size)
+    return passes.log_mean_exp_rows_with(_TiledLogMeanExp, anchors, candidates, offset, inv_tau, ref_anchors,
+                                         ref_candidates, negative_log_weight, tile_size)
 
 
 def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
@@ -314,20 +311,10 @@ def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
     """`dense.dense_aggregate`, tiled (the contract in `dense.py`'s docstring). When the anchors are the whole batch
     (one process) one pass over the tiles serves both directions: a tile's columns are whole text rows."""
     ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
-    if not (image is all_image and text is all_text):
-        return (tiled_log_mean_exp_rows(image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
-                                        negative_log_weight, tile_size=tile_size),
-                tiled_log_mean_exp_rows(text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
-                                        negative_log_weight, tile_size=tile_size))
-    for inv_tau in (inv_tau_image, inv_tau_text):
-        _check_inputs(image, text, offset, torch.as_tensor(inv_tau), ref_image, ref_text, tile_size)
-    with autocast_disabled(image.device):
-        with_slope = inv_tau_image.requires_grad or inv_tau_text.requires_grad
-        log_g_image, slope_image, log_g_text, slope_text = _TiledLogMeanExp.apply(
-            image, text, ref_image, ref_text, passes.per_row(inv_tau_image, image), passes.per_row(inv_tau_text, text),
-            negative_log_weight, int(offset), tile_size, with_slope)
-    return (passes.linear_in_inv_tau(log_g_image, slope_image, inv_tau_image.to(log_g_image.dtype)),
-            passes.linear_in_inv_tau(log_g_text, slope_text, inv_tau_text.to(log_g_text.dtype)))
+    _check_inputs(image, all_text, offset, torch.as_tensor(inv_tau_image), ref_image, all_ref_text, tile_size)
+    _check_inputs(text, all_image, offset, torch.as_tensor(inv_tau_text), ref_text, all_ref_image, tile_size)
+    return passes.aggregate_with(_TiledLogMeanExp, image, text, all_image, all_text, offset, inv_tau_image,
+                                 inv_tau_text, reference, negative_log_weight, tile_size)
 
 
 def make_tiled_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
