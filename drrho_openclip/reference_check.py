@@ -29,8 +29,7 @@ from typing import Dict, List
 import torch
 
 from .features import FeatureStore, FeatureStoreError
-from .losses import get_loss_spec, reference_margins, temperature_for_effective_negatives
-from .losses import effective_negatives  # noqa: F401 - part of this module's interface (per-anchor n_eff at a τ)
+from .losses import effective_negatives, get_loss_spec, reference_margins, temperature_for_effective_negatives
 from .losses.distill import calibrated_logit_scale
 
 DEFAULT_SAMPLES = 5000  # the pairs retrieval is measured among, unless --samples or --clip-recall says otherwise

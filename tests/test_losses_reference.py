@@ -453,7 +453,7 @@ def test_tempnet_over_steps():
 
 def test_tempnet_architecture():
     from drrho_openclip.losses.temperatures import TempNet
-    net = TempNet(256)
+    net = TempNet(256, tau_min=0.005, tau_max=0.05)  # the paper's bounds
     assert sum(p.numel() for p in net.parameters()) == 131_586  # the paper's "0.13M"
     e = F.normalize(torch.randn(512, 256), dim=1)
     tau = net.eval()(e)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import passes
-from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, keep_in_graph
+from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, fixed_within_window
 from .collectives import all_reduce, gather_batch
 from .precision import autocast_disabled, pairwise_dtype, product, similarities, without_autocast
 
@@ -223,9 +223,7 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             whole_batch = self.world_size == 1
             sim_image = similarities(image, all_text)
             sim_text = None if whole_batch else similarities(text, all_image)
-            tau = self.temperature(logit_scale=logit_scale)[0].to(sim_image.dtype)
-            if accum_step:  # a later call on the same window: τ's gradient came whole with the first call
-                tau = keep_in_graph(tau.detach(), tau)
+            tau = fixed_within_window(self.temperature(logit_scale=logit_scale)[0].to(sim_image.dtype), accum_step)
             if self.use_reference:
                 ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)

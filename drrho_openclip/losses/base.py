@@ -51,6 +51,17 @@ def keep_in_graph(value: torch.Tensor, *tensors) -> torch.Tensor:
     return value
 
 
+def fixed_within_window(tensor: torch.Tensor, accum_step) -> torch.Tensor:
+    """`tensor` (τ or a logit scale) as a constant on a later call of an accumulation window (accum_step > 0): its
+    gradient depends only on the window's feature values, so it came whole with the window's first call."""
+    return keep_in_graph(tensor.detach(), tensor) if accum_step else tensor
+
+
+# accum_step k > 0 replays the window whose first call (accum_step=0) chose what the window keeps (state, τ, draws)
+WINDOW_NOT_OPENED = ("accum_step > 0 continues an accumulation window: call the loss on the window's first chunk "
+                     "with accum_step=0 first")
+
+
 class ReferenceFeatures:
     """Mixin of every loss that reads reference features: checks that the batch carries them, and fills them from
     an online reference model when one is set."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LastCallMetrics, check_eval_call, keep_in_graph
+from .base import LastCallMetrics, check_eval_call, fixed_within_window
 from .collectives import gather_batch
 
 
@@ -58,9 +58,6 @@ class ClipLoss(LastCallMetrics, nn.Module):
 
     def forward(self, image_features, text_features, logit_scale, output_dict=False, *, accum_step=None, **_):
         check_eval_call(self, accum_step)
-        if accum_step:
-            # a later call on the same accumulation window: logit_scale's gradient, which depends only on the
-            # window's feature values, came whole with its first call
-            logit_scale = keep_in_graph(logit_scale.detach(), logit_scale)
+        logit_scale = fixed_within_window(logit_scale, accum_step)
         loss = self.contrastive(*self.logits(image_features, text_features, logit_scale))
         return {'contrastive_loss': loss} if output_dict else loss

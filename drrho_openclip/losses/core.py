@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .base import ReferenceFeatures, check_eval_call, keep_in_graph
+from .base import WINDOW_NOT_OPENED, ReferenceFeatures, check_eval_call, keep_in_graph
 from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
@@ -47,9 +47,6 @@ def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) ->
 
 
 
-# accum_step k > 0 replays the window whose first call (accum_step=0) updated the state and chose τ
-WINDOW_NOT_OPENED = ("accum_step > 0 continues an accumulation window: call the loss on the window's first chunk "
-                     "with accum_step=0 first")
 
 
 class DROContrastiveLoss(ReferenceFeatures, nn.Module):

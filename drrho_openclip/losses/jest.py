@@ -30,10 +30,10 @@ samples with gradient, and apply `self.clip` (CLIP's loss with OpenCLIP's semant
 import torch
 from torch import nn
 
-from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, keep_in_graph, keyed_uniform, mix64
+from .base import (WINDOW_NOT_OPENED, LastCallMetrics, ReferenceFeatures, check_eval_call, fixed_within_window,
+                   keyed_uniform, mix64)
 from .clip import ClipLoss
 from .collectives import gather_batch
-from .core import WINDOW_NOT_OPENED
 from .distill import TeacherLogitScale
 from .precision import at_least_float32
 
@@ -137,7 +137,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             # only on the window's feature values, came whole with that call
             if self._window is None:
                 raise RuntimeError(WINDOW_NOT_OPENED)
-            selected, logit_scale = self._window, keep_in_graph(logit_scale.detach(), logit_scale)
+            selected, logit_scale = self._window, fixed_within_window(logit_scale, accum_step)
         else:
             selected = self.select(image_features, text_features, logit_scale, ref_image_features, ref_text_features)
             self._window = selected if accum_step is not None else None

@@ -2,7 +2,7 @@
 teacher. As OpenCLIP's `DistillClipLoss`: KD (`distill.soft_cross_entropy`) of the student's CLIP logits against
 the teacher's at its logit scale (given, or calibrated on the first batch: `distill.TeacherLogitScale`), over the same
 rows and columns, averaged over both directions."""
-from .base import ReferenceFeatures, check_eval_call, keep_in_graph
+from .base import ReferenceFeatures, check_eval_call, fixed_within_window
 from .clip import ClipLoss
 from .distill import TeacherLogitScale, soft_cross_entropy
 
@@ -20,10 +20,7 @@ class MobileClipLoss(ReferenceFeatures, ClipLoss):
                 accum_step=None, output_dict=False, **_):
         self.require_reference(ref_image_features, ref_text_features, "distills from the reference (teacher) model")
         check_eval_call(self, accum_step)
-        if accum_step:
-            # a later call on the same accumulation window: logit_scale's gradient, which depends only on the
-            # window's feature values, came whole with its first call
-            logit_scale = keep_in_graph(logit_scale.detach(), logit_scale)
+        logit_scale = fixed_within_window(logit_scale, accum_step)
         logits_per_image, logits_per_text = self.logits(image_features, text_features, logit_scale)
         teacher_scale = self.teacher_logit_scale(ref_image_features, ref_text_features)
         teacher_per_image, teacher_per_text = self.logits(ref_image_features, ref_text_features,

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class FixedTemperature(KeepsStatePrecision, nn.Module):
-    """A constant τ (DRRho-CLIP's default 0.01); ignores the model's logit_scale."""
+    """A constant τ (the paper's main DRRho-CLIP setting is 0.01: `drrho-paper`); ignores the model's logit_scale."""
 
     def __init__(self, tau: float):
         super().__init__()
@@ -327,8 +327,8 @@ class TempNet(nn.Module):
         z = Σ_j a_j (ω_j − 1/M) sigmoid(ŝ_j) + c,   τ = τ_min + (τ_max − τ_min) sigmoid(z).
     """
 
-    def __init__(self, embed_dim: int, width: int = 256, prototypes: int = 256, tau_min: float = 0.005,
-                 tau_max: float = 0.05, dropout: float = 0.5):
+    def __init__(self, embed_dim: int, *, tau_min: float, tau_max: float, width: int = 256, prototypes: int = 256,
+                 dropout: float = 0.5):
         super().__init__()
         if not 0 < tau_min < tau_max:
             raise ValueError(f"need 0 < tau_min < tau_max, got {tau_min}, {tau_max}")

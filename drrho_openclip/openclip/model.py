@@ -42,9 +42,10 @@ def configure_model(run: Run, model, args):
     """Build the loss before the optimizer, DDP and resume see the model: a loss with learnable modules (TempNet)
     attaches them to the model. Everything the loss holds (per-sample tables, attached modules) and the online
     reference model go to the model's device, where OpenCLIP has already put the model. A τ the loss does not learn
-    through logit_scale freezes the model's logit_scale, at log 1/(the starting τ): DDP must not wait for a gradient
-    it never gets. OpenCLIP's logged scale then stays at that start (clamped to at most 100); the τ in force is the
-    loss's own metric (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
+    through logit_scale freezes the model's logit_scale, at log 1/(the starting τ) where one is given (an 'auto' τ,
+    chosen at the first batch, leaves OpenCLIP's initial value): DDP must not wait for a gradient it never gets.
+    OpenCLIP's logged scale then stays there (clamped to at most 100); the τ in force is the loss's own metric
+    (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
     run here."""
     # with --accum-freq the loop calls the loss on the whole window: accum_freq batches on every rank
     local_batch = args.batch_size * args.accum_freq
