@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from drrho_openclip import demo
+from drrho_openclip.openclip import evaluation
 
 RESULTS = Path(__file__).parent / 'results'
 MODELS = {'reference': 'reference (clip, its own split)', 'drrho': 'target, --loss drrho',
@@ -53,7 +54,7 @@ def summarize(runs: list, variants: dict = None) -> dict:
 
 def test_set(workdir: Path) -> tuple:
     """The demo's scoring inputs for the run in `workdir`: (its tiny model, tokenizer, test images, labels)."""
-    model, preprocess, tokenizer = demo.untrained_model(f"local-dir:{workdir / 'tiny_model'}")
+    model, preprocess, tokenizer = evaluation.untrained_model(f"local-dir:{workdir / 'tiny_model'}")
     return (model, tokenizer, *demo.labelled_images(workdir / 'data' / 'test.csv', preprocess))
 
 
@@ -72,7 +73,7 @@ def train_variant(workdir: Path, setting: dict, flags: str, scoring: tuple) -> f
     last = run.checkpoints / f"epoch_{setting['epochs']}.pt"
     if last.exists():
         model, tokenizer, images, labels = scoring
-        return demo.zero_shot_accuracy(demo.load_weights(model, last), tokenizer, images, labels,
+        return evaluation.zero_shot_accuracy(evaluation.load_weights(model, last), tokenizer, images, labels,
                                        demo.shape_classes())
     if run.checkpoints.parent.exists():
         raise SystemExit(f'{run.checkpoints.parent} holds an unfinished run: remove it')

@@ -494,12 +494,12 @@ def _cached(key, build):
 
 
 def _model(name):
-    from drrho_openclip.demo import untrained_model
+    from drrho_openclip.openclip.evaluation import untrained_model
     return _cached(('model', name), lambda: untrained_model(name))
 
 
 def _load(model_name, checkpoint):
-    from drrho_openclip.demo import load_weights
+    from drrho_openclip.openclip.evaluation import load_weights
     model, preprocess, tokenizer = _model(model_name)
     return load_weights(model, checkpoint), preprocess, tokenizer
 
@@ -655,7 +655,7 @@ def temperature_trajectory(console: str, batch_size: int, steps_per_epoch: int) 
 
 def run_task(task: dict) -> dict:
     """Train one run with `open_clip_train.main` in this process, then evaluate every epoch's checkpoint."""
-    from drrho_openclip.demo import zero_shot_accuracy
+    from drrho_openclip.openclip.evaluation import zero_shot_accuracy
     from drrho_openclip.train import main as train
     logs = Path(task['logs'])
     console = logs / f"{task['name']}.console.txt"

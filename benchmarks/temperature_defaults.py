@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drrho_openclip.demo import labelled_images, make_split, shape_classes, untrained_model, write_tiny_model
+from drrho_openclip.demo import labelled_images, make_split, shape_classes, write_tiny_model
+from drrho_openclip.openclip.evaluation import untrained_model
 from drrho_openclip.losses import create_loss
 
 HERE = Path(__file__).resolve().parent

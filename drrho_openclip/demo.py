@@ -117,7 +117,7 @@ def write_tiny_model(folder: Path) -> str:
     return f"local-dir:{folder}"
 
 
-# ---- training and zero-shot scoring, shared with benchmarks/replication.py ----------------------------------------
+# ---- training and the test split, shared with benchmarks/replication.py -------------------------------------------
 
 def csv_data_args(csv, separator='\t', img_key='filepath', caption_key='title'):
     """open_clip_train.main's flags for training on a CSV file."""
@@ -132,36 +132,6 @@ def train_args(model, data_args, logs, name, *, epochs, batch_size, lr, seed=0, 
     return [*data_args, '--model', model, '--batch-size', batch_size, '--epochs', epochs, '--lr', lr, '--wd', '0.1',
             '--warmup', warmup, '--workers', workers, '--precision', precision, '--device', device, '--seed', seed,
             '--logs', logs, '--name', name, '--save-frequency', '1', '--log-every-n-steps', log_every_n_steps, *extra]
-
-
-def untrained_model(name: str):
-    """(model in eval mode, its evaluation transform, its tokenizer) of an OpenCLIP model name, no weights loaded."""
-    import open_clip
-    logging.disable(logging.WARNING)  # open_clip warns that no weights were found: a checkpoint is loaded next
-    try:
-        model, _, preprocess = open_clip.create_model_and_transforms(name)
-    finally:
-        logging.disable(logging.NOTSET)
-    return model.eval(), preprocess, open_clip.get_tokenizer(name)
-
-
-def load_weights(model, checkpoint):
-    """The weights of an open_clip_train checkpoint into `model`; strict=False: a loss may add parameters."""
-    import open_clip
-    open_clip.load_checkpoint(model, str(checkpoint), strict=False)
-    return model
-
-
-def zero_shot_accuracy(model, tokenizer, images, labels, classes: dict) -> float:
-    """Top-1 accuracy of `images` ([n, 3, h, w], preprocessed) against `labels` ([n]) with the classifier built from
-    `classes` = {'classnames': [...], 'templates': ['a photo of a {}.', ...]}."""
-    import torch
-    from open_clip import build_zero_shot_classifier
-    with torch.no_grad():
-        classifier = build_zero_shot_classifier(model, tokenizer, classes['classnames'], classes['templates'],
-                                                device='cpu', use_tqdm=False)
-        logits = torch.cat([model.encode_image(chunk, normalize=True) for chunk in images.split(500)]) @ classifier
-    return (logits.argmax(dim=1) == labels).float().mean().item()
 
 
 def labelled_images(csv: Path, preprocess):
@@ -235,6 +205,7 @@ class TrainingRun:
 
         run_logged([sys.executable, '-m', 'open_clip_train.main', *self.argv],
                    self.args.logs / self.name / 'console.log', self.args.verbose, on_line)
+        from .openclip.evaluation import load_weights, zero_shot_accuracy
         model, tokenizer, images, labels = test_set
         for epoch in range(1, self.epochs + 1):
             checkpoint = self.checkpoints / f'epoch_{epoch}.pt'
@@ -380,6 +351,7 @@ def main(argv=None):
     test_csv = make_split(data, 'test', TEST_SAMPLES, seed=3, progress=stage)
     stage.close()
     args.model = write_tiny_model(root / 'tiny_model')
+    from .openclip.evaluation import untrained_model
     model, preprocess, tokenizer = untrained_model(args.model)
     test_set = (model, tokenizer, *labelled_images(test_csv, preprocess))
 

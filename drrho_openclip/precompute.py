@@ -227,10 +227,10 @@ def _fetch(parts, device) -> Tuple[np.ndarray, np.ndarray]:
 
 def _load_encoder(args):
     """(model, preprocess, tokenizer) of the reference; a model that cannot be loaded stops precompute naming it."""
-    import open_clip
+    from .openclip.evaluation import tokenizer_of
     try:
         model, preprocess = create_model(args.model, args.pretrained, args.device)
-        return model, preprocess, open_clip.get_tokenizer(args.model)
+        return model, preprocess, tokenizer_of(args.model)
     except (RuntimeError, ValueError, OSError) as e:
         raise SystemExit(f"cannot load the reference model --model {args.model}"
                          + (f" --pretrained {args.pretrained}" if args.pretrained else '')

@@ -11,6 +11,7 @@ module declares every hook once, with its contract; the work is done in
     loaders.py      the training loaders' per-sample extras (sample index, reference features)
     checkpoints.py  per-sample state in checkpoints (shard sets next to the checkpoint files)
     reference.py    reference models: the loader precompute also uses, and the online reference
+    evaluation.py   models scored outside training (the demo's and the benchmarks' zero-shot), tokenizers
 
 Nothing here imports torch or OpenCLIP at import time: the interpreter start-up hook imports this package.
 """
