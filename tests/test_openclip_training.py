@@ -116,7 +116,8 @@ def test_resuming_onto_other_samples_stops_and_other_settings_are_named(shapes, 
             f"of another, dim 16") in log, log[-3000:]
     assert (f"--resume '{first}' was trained with other --loss drrho options; resuming with --reference-weight "
             f"0.25 -> 1.0") in log
-    assert f"--resume '{first}' was trained at global batch 8, this run's is 16 (--batch-size × processes)" in log
+    assert (f"--resume '{first}' was trained at global batch 8, this run's is 16 (--batch-size × --accum-freq × "
+            f"processes)") in log
     assert checkpoint(tmp_path, 'run', 2)['loss_state'][RUN_KEY]['options']['reference_weight'] == 1.0
 
 
@@ -204,6 +205,18 @@ def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, name)
     one = checkpoint(tmp_path, 'one', 2)
     assert_equivalent_runs(one, checkpoint(tmp_path, 'two', 2), prefix='module.')
     assert_training_moved(checkpoint(tmp_path, 'one', 1), one)
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(shapes, tmp_path):
+    """Epoch 1 in one process, epoch 2 on two ranks with the same global batch: the model and the per-sample state
+    end as in the one-process run (OpenCLIP 3.3.0's ranks stopped at loading a checkpoint without DDP's prefix)."""
+    loss = [*DRRHO, '--ref-features', shapes['ref'], *SGD]
+    run_openclip(train_args(shapes, tmp_path, 'one', *loss, batch_size=8, epochs=2))
+    first = tmp_path / 'one' / 'checkpoints' / 'epoch_1.pt'
+    run_openclip(train_args(shapes, tmp_path, 'two', *loss, '--local-loss', '--gather-with-grad', '--resume', first,
+                            batch_size=4, epochs=2), nproc=2)
+    assert_equivalent_runs(checkpoint(tmp_path, 'one', 2), checkpoint(tmp_path, 'two', 2), prefix='module.')
+    assert_training_moved(checkpoint(tmp_path, 'one', 1), checkpoint(tmp_path, 'one', 2))
 
 
 def test_gradient_accumulation_equals_the_large_batch(shapes, tmp_path):
