@@ -342,6 +342,35 @@ def _check_replaceable(final: Path):
                             f"written there would replace what it holds; choose another output")
 
 
+SOURCE_KEYS = ('source_bytes', 'captions_sha256')  # what a store was written from, where its writer knew it
+
+
+def _differences(found: dict, wanted: dict) -> List[str]:
+    """The settings of a writer's plan `wanted` that `found` (another writer's plan, or a finished store's) has
+    otherwise, described; what the data was only where both know it (a writer may not: the Python API)."""
+    compared = [k for k in wanted if k not in SOURCE_KEYS or (found.get(k) and wanted[k])]
+    return [_describe(k, found.get(k)) for k in compared if found.get(k) != wanted[k]]
+
+
+def finished_store_differences(root, model: Optional[str], pretrained: Optional[str], dtype: Optional[str],
+                               shards: Sequence[str], source_bytes: Dict[str, int] = None,
+                               captions_sha256: Dict[str, str] = None) -> List[str]:
+    """How the finished store in `root` differs from the one a writer with these settings would write (the
+    `FeatureStoreWriter` arguments): [] when it is that store, so that a rerun has nothing left to do."""
+    path = _named(root) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        stored = manifest['shards']
+        found = {key: manifest.get(key) for key in ('format', 'model', 'pretrained', 'dtype')}
+        found['shards'] = [shard['name'] for shard in stored]
+        found.update({key: {shard['name']: shard[key] for shard in stored if key in shard} for key in SOURCE_KEYS})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FeatureStoreError(f"'{path}' is not a store's manifest ({type(e).__name__}: {e})") from None
+    wanted = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype, shards=list(shards),
+                  source_bytes=dict(source_bytes or {}), captions_sha256=dict(captions_sha256 or {}))
+    return _differences(found, wanted)
+
+
 def _named(root) -> Path:
     return Path(root) if Path(root).name else Path(root).resolve()  # '.' has no name to append to
 
@@ -389,10 +418,7 @@ class FeatureStoreWriter:
         plan = {**self.meta, 'shards': self.plan, **self.sources}
         path = self.root / PLAN
         if path.is_file():
-            found = json.loads(path.read_text())
-            # what the data was is compared where both plans know it (a writer may not: the Python API)
-            compared = [k for k in plan if k not in self.sources or (found.get(k) and plan[k])]
-            differ = [_describe(k, found.get(k)) for k in compared if found.get(k) != plan[k]]
+            differ = _differences(json.loads(path.read_text()), plan)
             if differ:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
                                         f"resume it with the same settings, or delete it to start afresh")

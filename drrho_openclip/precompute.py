@@ -40,7 +40,7 @@ from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, 
                    missing_local_file, read_csv, resolve_dataset_type, shard_keys, shard_samples, sources,
                    undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
-                       FeatureStoreWriter, partial_dir, shard_files, shard_name)
+                       FeatureStoreWriter, finished_store_differences, partial_dir, shard_files, shard_name)
 from .openclip.reference import create_model, pretrained_problem
 
 # How long a part that finds the store being finished by another waits to see it done (the move takes a moment;
@@ -326,24 +326,32 @@ def main(argv=None):
     try:
         if args.finalize:
             return _finalize(FeatureStoreWriter.resume(args.output), explicit=True)
-        if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
-            raise SystemExit(f"{args.output} already holds a reference-feature store; pass --overwrite to replace it")
         shards = sources(args)
         missing = missing_local_file(shards)
         if missing:
             raise SystemExit(f"--train-data: no such file '{missing}'")
         captions = caption_digests(args)  # a CSV's columns are read here, before a .partial store is started
+        names = [name for name, _ in shards]
+        sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
+        settings = (None, None, None) if args.keys_only else (args.model, args.pretrained or '', args.dtype)
+        if args.keys_only:
+            captions = None  # a keys-only store holds no text features to check
+        if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
+            differ = finished_store_differences(args.output, *settings, names, sizes, captions)
+            if differ:
+                raise SystemExit(f"{args.output} already holds a reference-feature store, written with "
+                                 f"{', '.join(differ)}; pass --overwrite to replace it")
+            # a rerun (a resubmitted array task, a part that started after the last one finished): nothing to do
+            logging.info(f"{args.output} already holds the finished store of these {len(names)} shards with these "
+                         f"settings: nothing to do (--overwrite computes it again)")
+            return 0
         # the model too: a mistyped --model must not leave a .partial store planned with it. A part that joins a
         # planned store loads it once it knows shards are left to encode: a rerun of a finished part needs none
         joining = partial_dir(args.output).exists()
         encoder = None if args.keys_only or joining else _load_encoder(args)
-        names = [name for name, _ in shards]
-        sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
-        if args.keys_only:
-            writer = FeatureStoreWriter(args.output, None, None, dtype=None, shards=names, source_bytes=sizes)
-        else:
-            writer = FeatureStoreWriter(args.output, args.model, args.pretrained or '', dtype=args.dtype, shards=names,
-                                        source_bytes=sizes, captions_sha256=captions)
+        model, pretrained, dtype = settings
+        writer = FeatureStoreWriter(args.output, model, pretrained, dtype=dtype, shards=names, source_bytes=sizes,
+                                    captions_sha256=captions)
     except FeatureStoreError as e:
         raise SystemExit(str(e))
     mine = shards[part_slice(len(shards), args.part, args.num_parts)]
