@@ -207,6 +207,20 @@ def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, name)
     assert_training_moved(checkpoint(tmp_path, 'one', 1), one)
 
 
+def test_resuming_a_finished_run_says_it_trains_nothing(shapes, tmp_path):
+    """OpenCLIP ends without a word when the checkpoint is at the last epoch: a variant launched under the run's
+    --name (the launch scripts' fixed NAME) would seem to have trained."""
+    args = train_args(shapes, tmp_path, 'run', '--loss', 'sogclr', epochs=1)
+    run_openclip(args)
+    first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    again = [*args, '--resume', first]
+    again[again.index('--name') + 1] = 'again'
+    result = run_openclip(again)
+    assert (f"--resume '{first}' is at epoch 1 of --epochs 1: the run is complete and trains nothing more"
+            in result.stdout + result.stderr)
+    assert not (tmp_path / 'again' / 'checkpoints' / 'epoch_2.pt').exists()
+
+
 def test_a_one_process_checkpoint_resumes_on_two_ranks(shapes, tmp_path):
     """Epoch 1 in one process, epoch 2 on two ranks with the same global batch: the model and the per-sample state
     end as in the one-process run (OpenCLIP 3.3.0's ranks stopped at loading a checkpoint without DDP's prefix)."""

@@ -73,6 +73,10 @@ def check_resumed_loss(loss, run: Run, args):
                              f"--loss {loss_name} {', '.join(sorted(own)) or 'none'}: evaluate with the --loss flags it "
                              f"was trained with")
         return
+    if checkpoint.get('epoch', 0) >= args.epochs:  # OpenCLIP then ends without a word
+        logging.warning(f"drrho-openclip: --resume '{args.resume}' is at epoch {checkpoint['epoch']} of --epochs "
+                        f"{args.epochs}: the run is complete and trains nothing more (a variant needs its own --name; "
+                        f"more --epochs continue this run)")
     saved = checkpoint.get('loss_state') or {}
     if RUN_KEY in saved:
         check_resumed_run(saved[RUN_KEY], run, args, weights)
