@@ -130,7 +130,8 @@ def _state_inactive(o) -> dict:
 
 def _global_temperature_inactive(o) -> dict:
     if not _learns_temperature(o):
-        why = "a fixed τ; learn it with --learn-temperature, or give --temperature auto"
+        why = ("a fixed τ; learn it with --learn-temperature (or, for a loss that shifts by the reference, "
+               "--temperature auto)")
         return {**{k: why for k in ('temperature_optimizer', 'tau_objective', 'lr_tau', 'tau_min', 'tau_max', 'rho',
                                     'target_negatives')}, **_state_inactive(o)}
     unread = _state_inactive(o)
