@@ -333,7 +333,8 @@ def select(names, prefixes):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--device', default='cuda', help="'cuda' (default) or 'cpu' to try the script")
-    p.add_argument('--quick', action='store_true', help='four losses instead of all')
+    p.add_argument('--quick', action='store_true',
+                   help="the training runs of four losses instead of every loss's (the other cases run in full)")
     p.add_argument('--parallel', type=int, default=4, help='training runs at a time (default: %(default)s)')
     p.add_argument('--workdir', default=None, help='data, features and runs (default: a temporary directory)')
     p.add_argument('--out', default=str(RESULTS / 'gpu_check'), help='results prefix (.md and .json are added)')
