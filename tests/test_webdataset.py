@@ -154,7 +154,7 @@ def test_an_image_that_cannot_be_decoded_is_left_out_of_the_store_as_training_le
         assert np.array_equal(imported.shard_features('part-0'), store.shard_features('part-0'))
 
 
-def precompute(shapes, urls, output, *extra):
+def run_precompute(shapes, urls, output, *extra):
     return subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
                            '--train-data', urls, '--output', str(output), *map(str, extra)],
                           capture_output=True, text=True, env=ENV)
@@ -164,11 +164,11 @@ def test_precompute_refuses_to_overwrite_a_store_of_other_settings(shapes, shard
     """A finished store written otherwise stops precompute, naming what differs; the same settings find nothing to
     do and succeed (a rerun, a resubmitted array task). Neither touches the store."""
     before = (shards['ref'] / 'manifest.json').read_bytes()
-    result = precompute(shapes, shards['urls'], shards['ref'], '--dtype', 'float32')
+    result = run_precompute(shapes, shards['urls'], shards['ref'], '--dtype', 'float32')
     assert result.returncode != 0
     assert (f"{shards['ref']} already holds a reference-feature store, written with dtype 'float16'; pass "
             f"--overwrite to replace it") in result.stderr
-    result = precompute(shapes, shards['urls'], shards['ref'])
+    result = run_precompute(shapes, shards['urls'], shards['ref'])
     assert result.returncode == 0, result.stderr[-2000:]
     assert 'already holds the finished store of these 4 shards with these settings: nothing to do' in result.stderr
     assert (shards['ref'] / 'manifest.json').read_bytes() == before
@@ -179,10 +179,10 @@ def test_a_resubmitted_part_finds_the_store_finished(shapes, shards, tmp_path):
     has nothing left to do and succeeds (it stopped with an error, failing the array and the verify chained to it)."""
     output = tmp_path / 'ref'
     parts = ('--num-parts', 2, '--part')
-    result = precompute(shapes, shards['urls'], output, *parts, 1)
+    result = run_precompute(shapes, shards['urls'], output, *parts, 1)
     assert result.returncode == 0 and '2 shards of other parts are not finished yet' in result.stderr
-    assert precompute(shapes, shards['urls'], output, *parts, 0).returncode == 0
-    result = precompute(shapes, shards['urls'], output, *parts, 1)
+    assert run_precompute(shapes, shards['urls'], output, *parts, 0).returncode == 0
+    result = run_precompute(shapes, shards['urls'], output, *parts, 1)
     assert result.returncode == 0, result.stderr[-2000:]
     assert 'nothing to do' in result.stderr
     assert FeatureStore.open(output).shards == FeatureStore.open(shards['ref']).shards
