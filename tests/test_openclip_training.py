@@ -53,6 +53,20 @@ def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
     assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
 
 
+def test_a_remote_checkpoint_is_checked_as_a_local_one(shapes, tmp_path):
+    """--remote-sync's --resume latest is a URL, which OpenCLIP reads itself: its loss state is checked when it
+    arrives (a run resumed another loss's state without a word). Here the same state entries as drrho's."""
+    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    url = (tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt').as_uri()
+    result = run_openclip(train_args(shapes, tmp_path, 'other', '--loss', 'sogclr', '--gamma', '0.5',
+                                     '--gamma-decay-epochs', '2', '--learn-temperature', '--resume', url, epochs=2),
+                          check=False)
+    assert result.returncode != 0
+    assert f"--resume '{url}' was trained with --loss drrho, this run's is --loss sogclr." in result.stderr, \
+        result.stderr[-2000:]
+    assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
+
+
 def test_the_advice_after_a_refused_resume_is_one_that_can_work(tmp_path):
     """--pretrained loads a checkpoint's weights into a hub or built-in model, strictly: not into a local-dir:
     model (OpenCLIP ignores it there), nor a model trained with TempNet's networks attached."""

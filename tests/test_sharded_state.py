@@ -311,8 +311,21 @@ def test_missing_shard_stops_the_resume_and_names_the_file(shapes, two_rank_run,
                                      epochs=2), check=False)
     assert result.returncode != 0
     assert f"per-sample state shard '{missing}' is missing" in result.stderr
-    assert f"cannot restore the loss state from checkpoint '{copy / 'epoch_1.pt'}'" in result.stderr
+    assert f"--resume '{copy / 'epoch_1.pt'}': the per-sample state shard" in result.stderr
+    assert 'Traceback' not in result.stderr  # a message, not a traceback on every rank
     assert not (tmp_path / 'resumed' / 'checkpoints' / 'epoch_2.pt').exists()
+
+
+def test_a_remote_checkpoint_with_a_shard_set_stops_with_a_message(shapes, two_rank_run, tmp_path):
+    """--remote-sync's --resume latest is a URL, whose shard set cannot be read as files: the run stops saying so
+    (it was a traceback)."""
+    url = (two_rank_run / 'full' / 'checkpoints' / 'epoch_1.pt').as_uri()
+    result = run_openclip(train_args(shapes, tmp_path, 'resumed', *ISOGCLR, *SGD, '--resume', url, epochs=2),
+                          check=False)
+    assert result.returncode != 0
+    assert (f"--resume '{url}': its per-sample state is a shard set next to it ('epoch_1.loss_state'), which is read "
+            f"from files: resume from a local or mounted copy of the checkpoint folder") in result.stderr
+    assert 'Traceback' not in result.stderr
 
 
 def test_shard_sets_of_deleted_checkpoints_are_removed(tmp_path):

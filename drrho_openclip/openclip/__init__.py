@@ -117,8 +117,9 @@ def wrap_data(data: dict, args) -> dict:
 def resolve_loss_state(loss: TrainingLoss, loss_state: dict, args) -> dict:
     """main, on resume, on every rank, before `loss.load_state_dict`: the checkpoint's loss state with the parts
     kept in files next to the checkpoint read in."""
+    from . import run
     from .checkpoints import resolve_loss_state
-    return resolve_loss_state(loss, loss_state, args)
+    return resolve_loss_state(run.active(), loss, loss_state, args)
 
 
 def checkpoint_loss_state(loss: TrainingLoss, loss_state: dict, completed_epoch: int, checkpoint_files: List[str],

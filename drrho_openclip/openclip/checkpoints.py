@@ -55,8 +55,8 @@ def check_resumed_loss(loss, run: Run, args):
     """Before the optimizer state is read: a checkpoint whose loss state is not this loss's (`loss` None: OpenCLIP's
     own, which keeps none) stops the run, naming the --loss or the keys that differ; it was written with another
     --loss or other state flags, whose optimizer groups and state differ too, which torch reports without the
-    cause. So does one whose per-sample state is of other samples (`check_resumed_run`). Local files only (a remote
-    checkpoint is read once, by OpenCLIP)."""
+    cause. So does one whose per-sample state is of other samples (`check_resumed_run`). Local files here; a remote
+    checkpoint is read once, by OpenCLIP, and its loss state checked when it arrives (`resolve_loss_state`)."""
     if not args.resume or not os.path.isfile(args.resume):
         return
     loss_name = run.loss_name
@@ -77,7 +77,12 @@ def check_resumed_loss(loss, run: Run, args):
         logging.warning(f"drrho-openclip: --resume '{args.resume}' is at epoch {checkpoint['epoch']} of --epochs "
                         f"{args.epochs}: the run is complete and trains nothing more (a variant needs its own --name; "
                         f"more --epochs continue this run)")
-    saved = checkpoint.get('loss_state') or {}
+    check_loss_state(checkpoint.get('loss_state') or {}, loss, run, args, weights)
+
+
+def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
+    """A checkpoint's loss state (`saved`) against this run's loss (None: OpenCLIP's own); `weights`, the checkpoint's
+    model without DDP's 'module.', only shape the advice (empty where OpenCLIP has them and the plugin does not)."""
     if RUN_KEY in saved:
         check_resumed_run(saved[RUN_KEY], run, args, weights)
     own = set(loss.state_dict()) if loss is not None else set()
@@ -87,7 +92,7 @@ def check_resumed_loss(loss, run: Run, args):
     if saved != own and not (saved < own and own - saved <= tables):  # tables alone: the loss's own message says it
         differ = sorted(saved ^ own)
         raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the loss state of another loss or other "
-                         f"flags than this run's --loss {loss_name} (differing: {', '.join(differ[:4])}"
+                         f"flags than this run's --loss {run.loss_name} (differing: {', '.join(differ[:4])}"
                          f"{', ...' if len(differ) > 4 else ''}; the checkpoint has {len(saved)} entries, this loss "
                          f"{len(own)}). {_new_run(args, weights)}")
 
@@ -147,20 +152,28 @@ def _new_run(args, weights: dict) -> str:
     return f"{advice}; --pretrained '{args.resume}' starts it from those weights"
 
 
-def resolve_loss_state(loss, loss_state, args):
+def resolve_loss_state(run: Run, loss, loss_state, args):
     """Every rank, on resume: the checkpoint's loss state without the run it records, and with a shard set read in
-    (this rank's rows of it)."""
-    if isinstance(loss_state, dict):
-        loss_state = {k: v for k, v in loss_state.items() if k != RUN_KEY}
-    manifest = loss_state.get(SHARDS_KEY) if isinstance(loss_state, dict) else None
+    (this rank's rows of it). A remote checkpoint (a URL: --remote-sync's `--resume latest`) is checked here, as
+    `check_resumed_loss` checks a local one."""
+    if not isinstance(loss_state, dict):
+        return loss_state
+    remote = not os.path.isfile(args.resume)
+    if remote:
+        check_loss_state(loss_state, None if run.plain_clip else loss, run, args, weights={})
+    loss_state = {k: v for k, v in loss_state.items() if k != RUN_KEY}
+    manifest = loss_state.get(SHARDS_KEY)
     if manifest is None:
         return loss_state
-    if '://' in str(args.resume):
-        raise RuntimeError(f"the per-sample state of this checkpoint is a shard set next to it: resume from a local "
-                           f"(or mounted) copy of the checkpoint directory, with its "
-                           f"'{manifest.get('directory')}' directory")
+    resume = f"drrho-openclip: --resume '{args.resume}'"
+    if remote:
+        raise SystemExit(f"{resume}: its per-sample state is a shard set next to it ('{manifest.get('directory')}'), "
+                         f"which is read from files: resume from a local or mounted copy of the checkpoint folder")
     directory = os.path.join(os.path.dirname(os.path.abspath(args.resume)), manifest['directory'])
-    tables = load_state_shards(loss, directory, manifest)
+    try:
+        tables = load_state_shards(loss, directory, manifest)
+    except RuntimeError as e:  # a set missing, incomplete or of another checkpoint: the message names the file
+        raise SystemExit(f"{resume}: {e}") from None
     sharding = getattr(loss, 'sharding', None)
     logging.info(f"drrho-openclip: per-sample state read from '{directory}' ({manifest['world_size']} shards), "
                  f"rows {sharding.start}-{sharding.stop} of {sharding.num_samples} on rank {args.rank}")
