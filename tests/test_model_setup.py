@@ -62,6 +62,20 @@ def test_a_models_logit_bias_is_frozen_and_passed_over(shapes, loss, caplog):
     assert torch.isfinite(total) and model.logit_bias.grad is None
 
 
+@pytest.mark.parametrize('epochs, logged', [
+    (3, "γ falls from 1 to --gamma 0.2 over --gamma-decay-epochs 16; this run's last epoch has γ = 0.97 "
+        "(--gamma-decay-epochs 2 reaches --gamma in its last epoch)"),
+    (1, "this run's last epoch has γ = 1 (γ is 1 in a run's first epoch"),
+    (17, None)])
+def test_a_run_too_short_for_the_gamma_schedule_says_where_it_ends(shapes, epochs, logged, caplog):
+    """fastclip's γ follows the paper's 16-epoch schedule: a shorter run never reaches --gamma."""
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss',
+                 'fastclip', '--epochs', epochs)
+    with caplog.at_level(logging.INFO):
+        plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+    assert (logged in caplog.text) if logged else 'γ falls from 1' not in caplog.text
+
+
 @pytest.mark.parametrize('accum_freq, tiled', [(1, False), (4, True)])
 def test_the_global_batch_of_an_accumulating_run_is_its_whole_window(shapes, accum_freq, tiled):
     """With --accum-freq the loop calls the loss on the whole window: 4 batches of 4096 on one process are 16384

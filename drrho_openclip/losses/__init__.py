@@ -21,7 +21,8 @@ from .passes import compiles_for
 from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
                        float_or_auto, get_loss_spec, inactive_options, list_losses, loss_options, option_names,
                        register_loss)
-from .state import STATE_LAYOUTS, MovingAverageState, load_state_shards, per_sample_tables, save_state_shards
+from .state import (STATE_LAYOUTS, MovingAverageState, gamma_at_epoch, load_state_shards, per_sample_tables,
+                    save_state_shards)
 from .temperatures import (ATTACHED_PREFIX, FixedTemperature, LearnedTemperature, LogitScaleTemperature,
                            PerSampleTemperature, TempNetTemperature, attach_to_model, attached_names,
                            effective_negatives, reference_margins, rho_for_batch, temperature_for_effective_negatives)
@@ -32,7 +33,7 @@ __all__ = [
     'BalancedClipLoss', 'DROContrastiveLoss', 'compiles_for', 'FixedTemperature', 'LearnedTemperature',
     'LogitScaleTemperature', 'MovingAverageState', 'PerSampleTemperature', 'TempNetTemperature', 'ATTACHED_PREFIX',
     'attach_to_model', 'attached_names',
-    'per_sample_tables',
+    'gamma_at_epoch', 'per_sample_tables',
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',
     'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'load_state_shards', 'save_state_shards',
     'AUTO', 'OPTION_HELP', 'OPTION_TYPES', 'TAU_OBJECTIVES', 'TEMPERATURE_OPTIMIZERS', 'create_loss', 'float_or_auto',

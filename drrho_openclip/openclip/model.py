@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveLoss, LogitScaleTemperature,
-                      attach_to_model, compiles_for, create_loss as build, get_loss_spec)
+                      attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec)
 from .checkpoints import check_resumed_loss
 from .reference import OnlineReference
 from .run import Run
@@ -79,6 +79,15 @@ def configure_model(run: Run, model, args):
     if isinstance(loss, (DROContrastiveLoss, BalancedClipLoss)) and compiles_for(device):  # else a silent pause
         logging.info("drrho-openclip: the loss's passes over the pairwise matrix are compiled by TorchInductor during "
                      "the first training step (once per run, some seconds; TORCH_COMPILE_DISABLE=1 runs them eagerly)")
+    state = getattr(loss, 'state', None)
+    last_epoch = args.epochs - 1
+    if state is not None and last_epoch < state.gamma_decay_epochs:
+        # the papers' schedules are for their runs' length: a shorter run never reaches --gamma, which is not obvious
+        reach = (f"--gamma-decay-epochs {last_epoch} reaches --gamma in its last epoch" if last_epoch else
+                 "γ is 1 in a run's first epoch: u is each batch's own estimate")
+        logging.info(f"drrho-openclip: γ falls from 1 to --gamma {state.gamma_min:g} over --gamma-decay-epochs "
+                     f"{state.gamma_decay_epochs}; this run's last epoch has γ = "
+                     f"{gamma_at_epoch(last_epoch, state.gamma_min, state.gamma_decay_epochs):.3g} ({reach})")
     if args.ref_model is not None:
         loss.reference_encoder = OnlineReference(model, args, device)
     temperature = options.get('temperature')
