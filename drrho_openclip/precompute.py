@@ -381,8 +381,10 @@ def _check_shard(store, shard, expected_keys=None, url=None, csv=False):
     """(one-line report, problems) of one shard; every problem names the shard and the file at fault. With the
     data's keys, those missing from the store are read again from the shard `url` (WebDataset), and the samples that
     cannot be decoded are no problem: precompute leaves them out, and training never reads them. A `csv` shard's
-    keys are its image paths row by row, which repeat where an image has several captions."""
+    keys are its image paths row by row, which repeat where an image has several captions; a shard that records its
+    captions is a CSV's."""
     name = shard.name
+    csv = csv or shard.captions_sha256 is not None
     try:
         keys = store.keys(name).tolist()
         features = None if store.keys_only else store.shard_features(name)

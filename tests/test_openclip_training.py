@@ -375,6 +375,9 @@ def test_a_csv_of_several_captions_per_image_gets_a_store_and_trains(shapes, tmp
     assert result.returncode == 0, result.stderr[-2000:]
     assert precompute.main(['verify', str(store), '--train-data', str(coco)]) == 0
     assert 'coco: 32 samples, keys repeated (image paths of several rows)' in capsys.readouterr().out
+    # without the CSV too: the store records its captions, so its shard is a CSV's
+    assert precompute.main(['verify', str(store)]) == 0
+    assert 'coco: 32 samples, keys repeated (image paths of several rows)' in capsys.readouterr().out
     # a CSV's rows are compared in order, as training's start-up check does: the same rows reversed do not match
     reversed_rows = tmp_path / 'reversed' / 'coco.csv'
     reversed_rows.parent.mkdir()
