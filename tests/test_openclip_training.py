@@ -235,6 +235,32 @@ def test_resuming_a_finished_run_says_it_trains_nothing(shapes, tmp_path):
     assert not (tmp_path / 'again' / 'checkpoints' / 'epoch_2.pt').exists()
 
 
+def test_resume_latest_refuses_what_openclip_picks_by_name_over_the_newest_epoch(shapes, tmp_path):
+    """OpenCLIP's --resume latest is the last *.pt by name: a stale epoch_latest.pt (an earlier run with
+    --save-most-recent) came before a later epoch_N.pt, which was trained again and overwritten; a tmp.pt left by a
+    killed save came before everything, and ended in torch's traceback."""
+    args = train_args(shapes, tmp_path, 'run', '--loss', 'sogclr', '--save-most-recent', epochs=2)
+    run_openclip(args)
+    folder = tmp_path / 'run' / 'checkpoints'
+    (folder / 'epoch_latest.pt').write_bytes((folder / 'epoch_1.pt').read_bytes())  # stale: epoch 1
+    again = [*args, '--resume', 'latest']
+    again.remove('--save-most-recent')
+    again[again.index('--epochs') + 1] = '3'
+    digest = hashlib.sha256((folder / 'epoch_2.pt').read_bytes()).hexdigest()
+    result = run_openclip(again, check=False)
+    assert result.returncode != 0
+    assert (f"--resume latest found '{folder / 'epoch_latest.pt'}' (epoch 1), but '{folder / 'epoch_2.pt'}' holds a "
+            f"later epoch of the run") in result.stderr, result.stderr[-2000:]
+    assert hashlib.sha256((folder / 'epoch_2.pt').read_bytes()).hexdigest() == digest
+    (folder / 'epoch_latest.pt').unlink()
+    (folder / 'tmp.pt').write_bytes(b'half a checkpoint')
+    result = run_openclip(again, check=False)
+    assert result.returncode != 0
+    assert f"--resume latest found '{folder / 'tmp.pt'}', the file OpenCLIP writes epoch_latest.pt through" in \
+        result.stderr, result.stderr[-2000:]
+    assert not (folder / 'epoch_3.pt').exists()
+
+
 def test_a_one_process_checkpoint_resumes_on_two_ranks(shapes, tmp_path):
     """Epoch 1 in one process, epoch 2 on two ranks with the same global batch: the model and the per-sample state
     end as in the one-process run (OpenCLIP 3.3.0's ranks stopped at loading a checkpoint without DDP's prefix)."""

@@ -28,6 +28,7 @@ SHARD_SET_SUFFIX = '.loss_state'
 # a set, or the staging (.tmp-) or replaced (.old-) directory a killed save left behind
 SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.(?:tmp|old)-[0-9a-f]+)?')
 EPOCH_CHECKPOINT = re.compile(r'epoch_(\d+)\.pt')
+OPENCLIP_SAVE_TMP = 'tmp.pt'  # main.py saves epoch_latest.pt to this name first, then renames it
 
 
 def _sharded(loss) -> bool:
@@ -59,8 +60,13 @@ def check_resumed_loss(loss, run: Run, args):
     checkpoint is read once, by OpenCLIP, and its loss state checked when it arrives (`resolve_loss_state`)."""
     if not args.resume or not os.path.isfile(args.resume):
         return
+    if run.resume_latest and Path(args.resume).name == OPENCLIP_SAVE_TMP:
+        raise SystemExit(f"drrho-openclip: --resume latest found '{args.resume}', the file OpenCLIP writes "
+                         f"epoch_latest.pt through, left by a save that did not finish: delete it and start again")
     loss_name = run.loss_name
     checkpoint = _checkpoint_of(args.resume)  # read once (memory-mapped) for every check below
+    if run.resume_latest:
+        _check_latest_is_newest(Path(args.resume), checkpoint.get('epoch', 0))
     weights = {k.removeprefix('module.'): v for k, v in checkpoint.get('state_dict', {}).items()}
     if loss is not None:
         _check_attached_sizes(loss, weights, args)
@@ -78,6 +84,20 @@ def check_resumed_loss(loss, run: Run, args):
                         f"{args.epochs}: the run is complete and trains nothing more (a variant needs its own --name; "
                         f"more --epochs continue this run)")
     check_loss_state(checkpoint.get('loss_state') or {}, loss, run, args, weights)
+
+
+def _check_latest_is_newest(resumed: Path, epoch: int):
+    """OpenCLIP's `--resume latest` is the last *.pt file by name, where epoch_latest.pt follows every epoch_N.pt:
+    one left by an earlier run with --save-most-recent is chosen over the later epochs of a run without it, which
+    would then be trained again and overwritten."""
+    later = [(int(m.group(1)), path) for path in resumed.parent.glob('epoch_*.pt')
+             for m in [EPOCH_CHECKPOINT.fullmatch(path.name)] if m and int(m.group(1)) > epoch]
+    if later:
+        newest = max(later)[1]
+        raise SystemExit(f"drrho-openclip: --resume latest found '{resumed}' (epoch {epoch}), but '{newest}' holds a "
+                         f"later epoch of the run: OpenCLIP's latest is the last file by name, here one left by an "
+                         f"earlier run with --save-most-recent. Resume with --resume {newest}, or remove the stale "
+                         f"file (and keep --save-most-recent on in every run of the name, or off in all)")
 
 
 def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):

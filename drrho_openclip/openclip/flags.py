@@ -234,7 +234,7 @@ def check_args(args, parser) -> Run:
     return Run(loss_name=args.loss, plain_clip=plain_clip, options=in_force,
                reference_store=reference_store, index_store=index_store,
                sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings,
-               provenance=provenance)
+               provenance=provenance, resume_latest=args.resume == 'latest')
 
 
 def _check_openclip_modes(args, parser):

@@ -23,6 +23,7 @@ class Run:
     # what a checkpoint's loss state records of the run that wrote it, checked on resume (checkpoints.py): the loss,
     # its options as given, the reference model in words, a fingerprint of the sample index, the global batch
     provenance: Dict = field(default_factory=dict)
+    resume_latest: bool = False                # --resume latest, which OpenCLIP resolves to a file after the flags
 
 
 _active: Optional[Run] = None
