@@ -3,7 +3,7 @@ names its shards. What the store's commands (precompute, import, verify) and the
 import hashlib
 import logging
 import os
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import braceexpand
@@ -107,6 +107,21 @@ def check_csv_columns(args, keys):
 def read_csv(args):
     check_csv_columns(args, (args.csv_img_key, args.csv_caption_key))
     return pd.read_csv(args.train_data, sep=args.csv_separator)
+
+
+def common_folder(paths: Sequence) -> str:
+    """The deepest folder every path lies in ('' where there is none: relative paths from the current folder, or
+    absolute and relative ones mixed)."""
+    try:
+        return os.path.commonpath({os.path.dirname(str(p)) for p in paths}) if len(paths) else ''
+    except ValueError:
+        return ''
+
+
+def relative_to_common_folder(paths: Sequence) -> list:
+    """The paths relative to `common_folder`: what stays the same when a dataset's folder moves."""
+    root = common_folder(paths)
+    return [os.path.relpath(str(p), root) if root else str(p) for p in paths]
 
 
 def sha256_of(texts: Iterable) -> str:

@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import open_clip
@@ -65,6 +66,45 @@ def test_a_remote_checkpoint_is_checked_as_a_local_one(shapes, tmp_path):
     assert f"--resume '{url}' was trained with --loss drrho, this run's is --loss sogclr." in result.stderr, \
         result.stderr[-2000:]
     assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
+
+
+def test_a_moved_dataset_reads_its_store_and_resumes(shapes, tmp_path):
+    """Copying the images elsewhere (a node's local disk) keeps each row's file below another folder: the store and
+    the checkpoint of the same rows still apply, with a warning naming both folders; a checkpoint that recorded the
+    paths as written (before 2026-11-29) resumes on them as before. A renamed CSV says a CSV's shard is its file
+    name."""
+    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    lines = shapes['csv'].read_text().splitlines()
+    images = [line.split('\t')[0] for line in lines[1:]]
+    old_folder = Path(images[0]).parent
+    (tmp_path / 'local_disk').symlink_to(old_folder, target_is_directory=True)
+    moved = tmp_path / 'moved' / 'train.csv'  # the store's shard name: the CSV's file name
+    moved.parent.mkdir()
+    moved.write_text(shapes['csv'].read_text().replace(str(old_folder), str(tmp_path / 'local_disk')))
+    args = train_args(shapes, tmp_path, 'resumed', *DRRHO, '--ref-features', shapes['ref'], '--resume', first,
+                      epochs=2)
+    args[args.index('--train-data') + 1] = moved
+    result = run_openclip(args)
+    assert (f"the images of '{moved}' are below '{tmp_path / 'local_disk'}', where '{shapes['ref']}' was written for "
+            f"them below '{old_folder}': the same files in the same order, read as a moved dataset") in result.stderr
+    assert 'rows are other samples' not in result.stderr
+    assert (tmp_path / 'resumed' / 'checkpoints' / 'epoch_2.pt').exists()
+
+    saved = torch.load(first, map_location='cpu', weights_only=False)
+    saved['loss_state'][RUN_KEY]['samples'] = hashlib.sha256(''.join(f'{p}\0' for p in images).encode()).hexdigest()
+    torch.save(saved, first)
+    run_openclip(train_args(shapes, tmp_path, 'as_written', *DRRHO, '--ref-features', shapes['ref'], '--resume',
+                            first, epochs=2))
+
+    renamed = tmp_path / 'renamed.csv'
+    renamed.write_text(shapes['csv'].read_text())
+    args = train_args(shapes, tmp_path, 'renamed', *DRRHO, '--ref-features', shapes['ref'])
+    args[args.index('--train-data') + 1] = renamed
+    result = run_openclip(args, check=False)
+    assert result.returncode != 0
+    assert f"has no shard 'renamed', the file name of '{renamed}' (a CSV's shard is named after its file" in \
+        result.stderr, result.stderr[-2000:]
 
 
 def test_the_advice_after_a_refused_resume_is_one_that_can_work(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..losses import ATTACHED_PREFIX, attached_names, load_state_shards, per_sample_tables, save_state_shards
-from .flags import flag, trains
+from .flags import csv_fingerprint_as_written, flag, trains
 from .run import Run
 
 SHARDS_KEY = 'per_sample_state_shards'
@@ -139,7 +139,8 @@ def check_resumed_run(saved: dict, run: Run, args, weights: dict):
         raise SystemExit(f"{resume} was trained with --loss {saved.get('loss')}, this run's is --loss "
                          f"{run.loss_name}. {new_run}")
     samples = run.provenance.get('samples')
-    if saved.get('samples') is not None and samples is not None and saved['samples'] != samples:
+    if saved.get('samples') not in (None, samples) and samples is not None \
+            and saved['samples'] != csv_fingerprint_as_written(args):
         raise SystemExit(f"{resume} holds per-sample state whose rows are other samples than this run's: the sample "
                          f"index of --train-data (a CSV's image paths row by row, or the shards of --ref-features or "
                          f"--sample-index) is not the one it was trained on, so each sample would resume another's "

@@ -8,8 +8,8 @@ import textwrap
 from functools import lru_cache
 from typing import Optional, Tuple
 
-from ..data import (caption_mismatch, check_csv_columns, input_kind, local_path, missing_local_file, sha256_of,
-                    shard_name_collision, shard_urls)
+from ..data import (caption_mismatch, check_csv_columns, common_folder, input_kind, local_path, missing_local_file,
+                    relative_to_common_folder, sha256_of, shard_name_collision, shard_urls)
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -295,12 +295,13 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
             return
         if kind == 'csv':
             images, captions = _training_csv(args)
-            check_csv_keys(store, args.train_data, images)
+            moved = check_csv_keys(store, args.train_data, images)
             if store.num_samples != len(images):  # the row number is the dense index: no other shard may come first
                 raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples, the CSV has {len(images)}")
             mismatch = caption_mismatch(store.shard(shard_name(args.train_data)), captions, args)
             if mismatch:
                 raise FeatureStoreError(mismatch)
+            return moved
         else:
             urls = shard_urls(args.train_data)
             collision = shard_name_collision(urls)
@@ -360,17 +361,29 @@ def _read_csv_columns(path, separator, image_key, caption_key, _version):
     return rows[image_key].tolist(), sha256_of(rows[caption_key])
 
 
-def check_csv_keys(store, csv_path, images):
-    """The store's keys of the CSV's shard are its image paths, row by row."""
-    shard = store.shard(shard_name(csv_path))
-    keys = store.keys(shard.name)
+def check_csv_keys(store, csv_path, images) -> Optional[str]:
+    """The store's keys of the CSV's shard are its image paths, row by row; or the same paths below another folder
+    (the dataset moved), which returns a warning saying so."""
+    name = shard_name(csv_path)
+    if name not in {shard.name for shard in store.shards}:
+        raise FeatureStoreError(f"'{store.root}' has no shard '{name}', the file name of '{csv_path}' (a CSV's "
+                                f"shard is named after its file; it has {', '.join(s.name for s in store.shards[:3])}"
+                                f"{', ...' if len(store.shards) > 3 else ''}): train with the CSV it was written for, "
+                                f"or write the store for this one")
+    keys = [str(key) for key in store.keys(name)]
+    images = [str(image) for image in images]
     if len(keys) != len(images):
         raise FeatureStoreError(f"'{store.root}' has {len(keys)} reference features for '{csv_path}', "
                                 f"which has {len(images)} rows")
-    for row, (key, image) in enumerate(zip(keys, images)):
-        if str(key) != str(image):
-            raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{key}' there and "
-                                    f"'{image}' in '{csv_path}'")
+    if keys == images:
+        return None
+    if relative_to_common_folder(keys) == relative_to_common_folder(images):
+        return (f"drrho-openclip: the images of '{csv_path}' are below '{common_folder(images) or '.'}', where "
+                f"'{store.root}' was written for them below '{common_folder(keys) or '.'}': the same files in the same "
+                f"order, read as a moved dataset")
+    row = next(row for row, (key, image) in enumerate(zip(keys, images)) if key != image)
+    raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{keys[row]}' there and "
+                            f"'{images[row]}' in '{csv_path}'")
 
 
 def trains(args) -> bool:
@@ -396,11 +409,19 @@ def _sample_index_fingerprint(args, index_store) -> Optional[str]:
     samples are their index)."""
     if not trains(args):
         return None
-    if input_kind(args.train_data, args.dataset_type) == 'csv':
-        return sha256_of(_training_csv(args)[0])
+    if input_kind(args.train_data, args.dataset_type) == 'csv':  # below their common folder: a dataset may move
+        return sha256_of(relative_to_common_folder(_training_csv(args)[0]))
     if index_store is not None:
         return sha256_of(f"{shard.name}/{shard.count}" for shard in index_store.shards)
     return None
+
+
+def csv_fingerprint_as_written(args) -> Optional[str]:
+    """A CSV's fingerprint as checkpoints before 2026-11-29 recorded it: of its image paths as written, which moving
+    the dataset changes (None for other input)."""
+    if not trains(args) or input_kind(args.train_data, args.dataset_type) != 'csv':
+        return None
+    return sha256_of(_training_csv(args)[0])
 
 
 def _sample_index_size(args, index_store) -> int:
