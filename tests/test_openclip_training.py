@@ -68,7 +68,7 @@ def test_a_remote_checkpoint_is_checked_as_a_local_one(shapes, tmp_path):
     assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
 
 
-def test_a_moved_dataset_reads_its_store_and_resumes(shapes, tmp_path):
+def test_a_moved_dataset_reads_its_store_and_resumes(shapes, tmp_path, capsys):
     """Copying the images elsewhere (a node's local disk) keeps each row's file below another folder: the store and
     the checkpoint of the same rows still apply, with a warning naming both folders; a checkpoint that recorded the
     paths as written (before 2026-11-29) resumes on them as before. A renamed CSV says a CSV's shard is its file
@@ -90,6 +90,9 @@ def test_a_moved_dataset_reads_its_store_and_resumes(shapes, tmp_path):
             f"them below '{old_folder}': the same files in the same order, read as a moved dataset") in result.stderr
     assert 'rows are other samples' not in result.stderr
     assert (tmp_path / 'resumed' / 'checkpoints' / 'epoch_2.pt').exists()
+    assert precompute.main(['verify', str(shapes['ref']), '--train-data', str(moved)]) == 0
+    assert f"the same files below '{tmp_path / 'local_disk'}' (written below '{old_folder}': a moved dataset" in \
+        capsys.readouterr().out
 
     saved = torch.load(first, map_location='cpu', weights_only=False)
     saved['loss_state'][RUN_KEY]['samples'] = hashlib.sha256(''.join(f'{p}\0' for p in images).encode()).hexdigest()
