@@ -68,6 +68,17 @@ def test_a_remote_checkpoint_is_checked_as_a_local_one(shapes, tmp_path):
     assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
 
 
+def test_a_refused_resume_announces_no_change_first(shapes, tmp_path):
+    """--gamma 1 keeps no u, so a drrho checkpoint's state does not fit: the run stops, without first warning that
+    it resumes with --gamma 1."""
+    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
+    result = run_openclip(train_args(shapes, tmp_path, 'other', '--loss', 'drrho', '--gamma', '1', '--ref-features',
+                                     shapes['ref'], '--resume', first, epochs=2), check=False)
+    assert result.returncode != 0 and f"--resume '{first}' holds the loss state of another loss" in result.stderr
+    assert 'resuming with' not in result.stderr
+
+
 def test_a_moved_dataset_reads_its_store_and_resumes(shapes, tmp_path, capsys):
     """Copying the images elsewhere (a node's local disk) keeps each row's file below another folder: the store and
     the checkpoint of the same rows still apply, with a warning naming both folders; a checkpoint that recorded the

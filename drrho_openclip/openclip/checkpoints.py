@@ -56,7 +56,7 @@ def check_resumed_loss(loss, run: Run, args):
     """Before the optimizer state is read: a checkpoint whose loss state is not this loss's (`loss` None: OpenCLIP's
     own, which keeps none) stops the run, naming the --loss or the keys that differ; it was written with another
     --loss or other state flags, whose optimizer groups and state differ too, which torch reports without the
-    cause. So does one whose per-sample state is of other samples (`check_resumed_run`). Local files here; a remote
+    cause. So does one whose per-sample state is of other samples (`_stop_on_another_run`). Local files here; a remote
     checkpoint is read once, by OpenCLIP, and its loss state checked when it arrives (`resolve_loss_state`)."""
     if not args.resume or not os.path.isfile(args.resume):
         return
@@ -103,8 +103,9 @@ def _check_latest_is_newest(resumed: Path, epoch: int):
 def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
     """A checkpoint's loss state (`saved`) against this run's loss (None: OpenCLIP's own); `weights`, the checkpoint's
     model without DDP's 'module.', only shape the advice (empty where OpenCLIP has them and the plugin does not)."""
-    if RUN_KEY in saved:
-        check_resumed_run(saved[RUN_KEY], run, args, weights)
+    record = saved.get(RUN_KEY)
+    if record is not None:
+        _stop_on_another_run(record, run, args, weights)
     own = set(loss.state_dict()) if loss is not None else set()
     tables = set(per_sample_tables(loss)) if loss is not None else set()
     # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
@@ -115,6 +116,8 @@ def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
                          f"flags than this run's --loss {run.loss_name} (differing: {', '.join(differ[:4])}"
                          f"{', ...' if len(differ) > 4 else ''}; the checkpoint has {len(saved)} entries, this loss "
                          f"{len(own)}). {_new_run(args, weights)}")
+    if record is not None:  # once nothing stops the run: a change is not announced and then refused
+        _warn_of_changes(record, run, args)
 
 
 def _check_attached_sizes(loss, weights: dict, args):
@@ -130,9 +133,9 @@ def _check_attached_sizes(loss, weights: dict, args):
                                  f"give the --tempnet-width and --tempnet-prototypes it was trained with")
 
 
-def check_resumed_run(saved: dict, run: Run, args, weights: dict):
+def _stop_on_another_run(saved: dict, run: Run, args, weights: dict):
     """The run that wrote the checkpoint (its RUN_KEY) against this one: another --loss, or per-sample state whose
-    rows are other samples, stops; another reference model or other loss options are logged as a warning."""
+    rows are other samples, stops."""
     resume = f"drrho-openclip: --resume '{args.resume}'"
     new_run = _new_run(args, weights)
     if saved.get('loss') != run.loss_name:
@@ -145,6 +148,12 @@ def check_resumed_run(saved: dict, run: Run, args, weights: dict):
                          f"index of --train-data (a CSV's image paths row by row, or the shards of --ref-features or "
                          f"--sample-index) is not the one it was trained on, so each sample would resume another's "
                          f"state. Resume with the data and store it was trained with. {new_run}")
+
+
+def _warn_of_changes(saved: dict, run: Run, args):
+    """What the resumed run changes of the one that wrote the checkpoint (its RUN_KEY), as warnings: another reference
+    model, another global batch, other loss options."""
+    resume = f"drrho-openclip: --resume '{args.resume}'"
     if saved.get('reference') != run.provenance.get('reference'):
         logging.warning(f"{resume} was trained with {saved.get('reference') or 'no reference model'}, this run "
                         f"reads {run.provenance.get('reference') or 'none'}: its per-sample state was estimated "
@@ -152,8 +161,8 @@ def check_resumed_run(saved: dict, run: Run, args, weights: dict):
     batch = run.provenance.get('global_batch')
     if saved.get('global_batch') not in (None, batch):
         logging.warning(f"{resume} was trained at global batch {saved['global_batch']}, this run's is {batch} "
-                        f"(--batch-size × --accum-freq × processes): what the loss takes from the batch follows it (ρ auto, τ's "
-                        f"--lr-tau auto through the run's steps, an auto --tile-size)")
+                        f"(--batch-size × --accum-freq × processes): what the loss takes from the batch follows it "
+                        f"(ρ auto, τ's --lr-tau auto through the run's steps, an auto --tile-size)")
     options, saved_options = run.provenance.get('options', {}), saved.get('options', {})
     changed = [f"{flag(o)} {saved_options.get(o)} -> {options.get(o)}"
                for o in sorted(set(options) | set(saved_options)) if saved_options.get(o) != options.get(o)]
