@@ -82,7 +82,7 @@ def check_resumed_loss(loss, run: Run, args):
     if checkpoint.get('epoch', 0) >= args.epochs:  # OpenCLIP then ends without a word
         logging.warning(f"drrho-openclip: --resume '{args.resume}' is at epoch {checkpoint['epoch']} of --epochs "
                         f"{args.epochs}: the run is complete and trains nothing more (a variant needs its own --name; "
-                        f"more --epochs continue this run)")
+                        f"more --epochs train on, with the schedules stretched to the new length)")
     check_loss_state(checkpoint.get('loss_state') or {}, loss, run, args, weights)
 
 
@@ -152,7 +152,7 @@ def _stop_on_another_run(saved: dict, run: Run, args, weights: dict):
 
 def _warn_of_changes(saved: dict, run: Run, args):
     """What the resumed run changes of the one that wrote the checkpoint (its RUN_KEY), as warnings: another reference
-    model, another global batch, other loss options."""
+    model, another global batch, another length, other loss options."""
     resume = f"drrho-openclip: --resume '{args.resume}'"
     if saved.get('reference') != run.provenance.get('reference'):
         logging.warning(f"{resume} was trained with {saved.get('reference') or 'no reference model'}, this run "
@@ -163,6 +163,10 @@ def _warn_of_changes(saved: dict, run: Run, args):
         logging.warning(f"{resume} was trained at global batch {saved['global_batch']}, this run's is {batch} "
                         f"(--batch-size × --accum-freq × processes): what the loss takes from the batch follows it "
                         f"(ρ auto, τ's --lr-tau auto through the run's steps, an auto --tile-size)")
+    if saved.get('epochs') not in (None, args.epochs):
+        logging.warning(f"{resume} was trained with --epochs {saved['epochs']}, this run's is {args.epochs}: the "
+                        f"schedules that follow the run's length start over at its new length (OpenCLIP's learning "
+                        f"rate, --lr-tau auto), so the resumed epochs are not those of a run of {args.epochs} epochs")
     options, saved_options = run.provenance.get('options', {}), saved.get('options', {})
     changed = [f"{flag(o)} {saved_options.get(o)} -> {options.get(o)}"
                for o in sorted(set(options) | set(saved_options)) if saved_options.get(o) != options.get(o)]

@@ -230,7 +230,8 @@ def check_args(args, parser) -> Run:
                 warnings.append(warning)
     index_store = sample_index or reference_store
     provenance = dict(loss=args.loss, options=dict(in_force), reference=_reference_in_use(args, reference_store),
-                      samples=_sample_index_fingerprint(args, index_store) if keeps_state else None)
+                      samples=_sample_index_fingerprint(args, index_store) if keeps_state else None,
+                      epochs=args.epochs)
     return Run(loss_name=args.loss, plain_clip=plain_clip, options=in_force,
                reference_store=reference_store, index_store=index_store,
                sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings,
