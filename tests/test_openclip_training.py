@@ -288,10 +288,11 @@ def test_resuming_a_finished_run_says_it_trains_nothing(shapes, tmp_path):
             in result.stdout + result.stderr)
     assert not (tmp_path / 'again' / 'checkpoints' / 'epoch_2.pt').exists()
     again[again.index('--epochs') + 1] = '2'  # extended: trains on, its schedules stretched, which it says
+    again[again.index('--name') + 1] = 'longer'
     result = run_openclip(again)
     assert (f"--resume '{first}' was trained with --epochs 1, this run's is 2: the schedules that follow the run's "
             f"length start over at its new length") in result.stdout + result.stderr
-    assert (tmp_path / 'again' / 'checkpoints' / 'epoch_2.pt').exists()
+    assert (tmp_path / 'longer' / 'checkpoints' / 'epoch_2.pt').exists()
 
 
 def test_resume_latest_refuses_what_openclip_picks_by_name_over_the_newest_epoch(shapes, tmp_path):
