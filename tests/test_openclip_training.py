@@ -134,6 +134,27 @@ def test_the_advice_after_a_refused_resume_is_one_that_can_work(tmp_path):
     assert 'from its folder, not from --pretrained' in _new_run(local, plain)
 
 
+def test_a_plain_clip_checkpoint_is_named_and_the_advice_to_start_from_it_works(shapes, tmp_path):
+    """OpenCLIP's own --loss clip keeps no loss state: resuming it with a stateful loss says so, and its advice for
+    a local-dir: model (the checkpoint in a copy of the folder) gives a model with the checkpoint's weights."""
+    import shutil
+    run_openclip(train_args(shapes, tmp_path, 'clip', '--loss', 'clip'))
+    first = tmp_path / 'clip' / 'checkpoints' / 'epoch_1.pt'
+    result = run_openclip(train_args(shapes, tmp_path, 'other', '--loss', 'sogclr', '--resume', first, epochs=2),
+                          check=False)
+    assert result.returncode != 0
+    assert (f"--resume '{first}' holds no loss state (a run of OpenCLIP's own --loss clip, or of a loss without "
+            f"per-sample state), which this run's --loss sogclr keeps") in result.stderr, result.stderr[-2000:]
+    assert "put the checkpoint in the copy as open_clip_pytorch_model.bin" in result.stderr
+    copy = tmp_path / 'tiny_from_clip'
+    shutil.copytree(shapes['model'].removeprefix('local-dir:'), copy)
+    shutil.copy(first, copy / 'open_clip_pytorch_model.bin')
+    started = open_clip.create_model(f'local-dir:{copy}').state_dict()
+    trained = torch.load(first, map_location='cpu', weights_only=False)['state_dict']
+    assert started.keys() == trained.keys()
+    assert all(torch.equal(started[k], trained[k]) for k in trained)
+
+
 def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(shapes, tmp_path):
     """Checkpoints written before they recorded their run: the loss state's entries tell another loss."""
     run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))

@@ -110,10 +110,15 @@ def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
     tables = set(per_sample_tables(loss)) if loss is not None else set()
     # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
     saved = set(saved) - {SHARDS_KEY, RUN_KEY} | (tables if SHARDS_KEY in saved else set())
-    if saved != own and not (saved < own and own - saved <= tables):  # tables alone: the loss's own message says it
+    # tables alone missing: the loss's own message says it, unless nothing records a run (OpenCLIP's own --loss clip,
+    # whose model and optimizer differ too: torch would stop first, without the cause)
+    plain = record is None and not saved
+    if saved != own and (plain or not (saved < own and own - saved <= tables)):
         differ = sorted(saved ^ own)
-        raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the loss state of another loss or other "
-                         f"flags than this run's --loss {run.loss_name} (differing: {', '.join(differ[:4])}"
+        which = ("holds no loss state (a run of OpenCLIP's own --loss clip, or of a loss without per-sample state), "
+                 f"which this run's --loss {run.loss_name} keeps" if plain else
+                 f"holds the loss state of another loss or other flags than this run's --loss {run.loss_name}")
+        raise SystemExit(f"drrho-openclip: --resume '{args.resume}' {which} (differing: {', '.join(differ[:4])}"
                          f"{', ...' if len(differ) > 4 else ''}; the checkpoint has {len(saved)} entries, this loss "
                          f"{len(own)}). {_new_run(args, weights)}")
     if record is not None:  # once nothing stops the run: a change is not announced and then refused
@@ -180,7 +185,9 @@ def _new_run(args, weights: dict) -> str:
     where --pretrained can load them."""
     advice = "Train another loss or data as a new run (another --name)"
     if (args.model or '').startswith('local-dir:'):
-        return f"{advice}; OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained"
+        return (f"{advice}; OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained: to "
+                f"start from this checkpoint, copy the folder, put the checkpoint in the copy as "
+                f"open_clip_pytorch_model.bin and train --model local-dir:<the copy>")
     if any(k.startswith(ATTACHED_PREFIX) for k in weights):
         return f"{advice}; its model also holds TempNet's networks, which --pretrained does not load"
     return f"{advice}; --pretrained '{args.resume}' starts it from those weights"
