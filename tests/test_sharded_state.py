@@ -316,6 +316,15 @@ def test_missing_shard_stops_the_resume_and_names_the_file(shapes, two_rank_run,
     assert not (tmp_path / 'resumed' / 'checkpoints' / 'epoch_2.pt').exists()
 
 
+def test_a_link_to_a_sharded_checkpoint_reads_the_set_next_to_the_file(shapes, two_rank_run, tmp_path):
+    """--resume best.pt, a link to epoch_1.pt elsewhere: the shard set is next to the file the link names."""
+    link = tmp_path / 'best.pt'
+    link.symlink_to(two_rank_run / 'full' / 'checkpoints' / 'epoch_1.pt')
+    result = run_openclip(train_args(shapes, tmp_path, 'resumed', *ISOGCLR, *SGD, '--resume', link, epochs=2))
+    assert f"per-sample state read from '{two_rank_run / 'full' / 'checkpoints' / 'epoch_1.loss_state'}'" in \
+        result.stdout + result.stderr
+
+
 def test_a_remote_checkpoint_with_a_shard_set_stops_with_a_message(shapes, two_rank_run, tmp_path):
     """--remote-sync's --resume latest is a URL, whose shard set cannot be read as files: the run stops saying so
     (it was a traceback)."""

@@ -210,7 +210,8 @@ def resolve_loss_state(run: Run, loss, loss_state, args):
     if remote:
         raise SystemExit(f"{resume}: its per-sample state is a shard set next to it ('{manifest.get('directory')}'), "
                          f"which is read from files: resume from a local or mounted copy of the checkpoint folder")
-    directory = os.path.join(os.path.dirname(os.path.abspath(args.resume)), manifest['directory'])
+    # next to the checkpoint file itself: a link to it (best.pt -> epoch_7.pt) may sit elsewhere
+    directory = os.path.join(os.path.dirname(os.path.realpath(args.resume)), manifest['directory'])
     try:
         tables = load_state_shards(loss, directory, manifest)
     except RuntimeError as e:  # a set missing, incomplete or of another checkpoint: the message names the file
