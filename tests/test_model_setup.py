@@ -43,6 +43,26 @@ def test_the_loss_and_what_it_holds_go_to_the_models_device(shapes, extra):
         assert any(name.startswith('loss_') for name, _ in model.named_children())
 
 
+@pytest.mark.parametrize('loss', ['clip', 'drrho'])
+def test_what_openclip_refuses_with_status_0_stops_at_parsing(shapes, tmp_path, loss, capsys):
+    """OpenCLIP's main refuses these by printing a line and returning, so the process ends with status 0 (and, for
+    an existing run, on rank 0 only); the plugin stops them at parsing, every rank, with status 2."""
+    base = ('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss,
+            '--logs', tmp_path, '--name', 'run', *(('--ref-model', shapes['model']) if loss == 'drrho' else ()))
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'out.log').write_text('')
+    with pytest.raises(SystemExit) as stopped:
+        parse(*base)
+    assert stopped.value.code == 2
+    assert f"--name run: '{tmp_path / 'run' / 'out.log'}' exists, a run of that name" in capsys.readouterr().err
+    parse(*base, '--resume', 'latest')  # continuing it is what the name is for
+    for extra, said in ((('--save-most-recent',), 'cannot take --save-most-recent'),
+                        (('--remote-sync-protocol', 'fsspec'), 'lists the remote')):
+        with pytest.raises(SystemExit):
+            parse(*base, '--resume', 'latest', '--remote-sync', tmp_path / 'remote', *extra)
+        assert said in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('loss', ['sogclr', 'isogclr', 'balanced'])
 def test_a_models_logit_bias_is_frozen_and_passed_over(shapes, loss, caplog):
     """A SigLIP-style model (init_logit_bias) returns its logit_bias with the features, and OpenCLIP's loop passes it

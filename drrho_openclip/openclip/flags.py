@@ -157,6 +157,7 @@ def check_args(args, parser) -> Run:
         parser.error(f"{', '.join(foreign)}: no such option for --loss {args.loss} (its options: "
                      f"{', '.join(map(flag, own)) or 'none'})")
     options = loss_options(args.loss, **given)
+    _check_what_openclip_refuses_with_status_0(args, parser)
     plain_clip = args.loss == 'clip' and not options.distill_weight
     if not plain_clip:
         _check_openclip_modes(args, parser)
@@ -236,6 +237,23 @@ def check_args(args, parser) -> Run:
                reference_store=reference_store, index_store=index_store,
                sample_index_size=_sample_index_size(args, index_store) if spec.stateful else 0, warnings=warnings,
                provenance=provenance, resume_latest=args.resume == 'latest')
+
+
+def _check_what_openclip_refuses_with_status_0(args, parser):
+    """What OpenCLIP's main refuses by printing a line and returning, which ends the process with status 0 (a job
+    chain or script counts the run as done) and, for an existing run, on rank 0 only (the other ranks wait for it)."""
+    said = "(OpenCLIP itself prints an error and exits with status 0)"
+    if args.resume == 'latest' and args.remote_sync is not None:
+        if args.save_most_recent:
+            parser.error(f"--resume latest with --remote-sync cannot take --save-most-recent in OpenCLIP: drop "
+                         f"--save-most-recent {said}")
+        if args.remote_sync_protocol != 's3':
+            parser.error(f"--resume latest with --remote-sync lists the remote's checkpoints with aws s3, which "
+                         f"--remote-sync-protocol {args.remote_sync_protocol} is not: give --resume a checkpoint {said}")
+    log = os.path.join(args.logs, args.name, 'out.log') if args.logs and args.name and not args.log_local else None
+    if log and args.resume != 'latest' and os.path.exists(log):
+        parser.error(f"--name {args.name}: '{log}' exists, a run of that name: give another --name, or --resume "
+                     f"latest to continue it {said}")
 
 
 def _check_openclip_modes(args, parser):
