@@ -124,6 +124,14 @@ def relative_to_common_folder(paths: Sequence) -> list:
     return [os.path.relpath(str(p), root) if root else str(p) for p in paths]
 
 
+def moved_folders(stored: Sequence, current: Sequence) -> Optional[Tuple[str, str]]:
+    """(the folder the `stored` paths lie below, the one the `current` paths lie below) where both lists name the same
+    files in the same order below different folders (a moved dataset), else None."""
+    if relative_to_common_folder(stored) != relative_to_common_folder(current):
+        return None
+    return common_folder(stored) or '.', common_folder(current) or '.'
+
+
 def sha256_of(texts: Iterable) -> str:
     """A fingerprint of strings in order (each as str, NUL-terminated: ['ab', 'c'] and ['a', 'bc'] differ)."""
     digest = hashlib.sha256()

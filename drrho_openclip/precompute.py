@@ -36,9 +36,9 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import (add_data_args, caption_digests, caption_mismatch, common_folder, data_keys, local_file_sizes,
-                   local_path, missing_local_file, read_csv, relative_to_common_folder, resolve_dataset_type,
-                   shard_keys, shard_samples, sources, undecodable_keys)
+from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, local_file_sizes, local_path,
+                   missing_local_file, moved_folders, read_csv, resolve_dataset_type, shard_keys, shard_samples,
+                   sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, finished_store_differences, partial_dir, shard_files, shard_name)
 from .openclip.reference import create_model, pretrained_problem
@@ -420,12 +420,14 @@ def _check_shard(store, shard, expected_keys=None, url=None, csv=False):
         coverage = f", {len(expected_keys)} rows in the CSV"
         if len(keys) != len(expected_keys):
             problems.append(f"shard '{name}', file '{keys_file}': {len(keys)} rows, the CSV has {len(expected_keys)}")
-        elif differ is not None and relative_to_common_folder(keys) == relative_to_common_folder(expected_keys):
-            coverage += (f", the same files below '{common_folder(expected_keys) or '.'}' (written below "
-                         f"'{common_folder(keys) or '.'}': a moved dataset, which training reads)")
         elif differ is not None:
-            problems.append(f"shard '{name}', file '{keys_file}': row {differ} is '{keys[differ]}' in the store and "
-                            f"'{expected_keys[differ]}' in the CSV")
+            moved = moved_folders(keys, expected_keys)
+            if moved:
+                coverage += (f", the same files below '{moved[1]}' (written below '{moved[0]}': a moved dataset, "
+                             f"which training reads)")
+            else:
+                problems.append(f"shard '{name}', file '{keys_file}': row {differ} is '{keys[differ]}' in the store "
+                                f"and '{expected_keys[differ]}' in the CSV")
     elif expected_keys is not None:
         stored, wanted = set(keys), set(expected_keys)
         left_out = undecodable_keys(url, wanted - stored) if url and wanted - stored else set()

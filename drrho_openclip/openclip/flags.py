@@ -8,7 +8,7 @@ import textwrap
 from functools import lru_cache
 from typing import Optional, Tuple
 
-from ..data import (caption_mismatch, check_csv_columns, common_folder, input_kind, local_path, missing_local_file,
+from ..data import (caption_mismatch, check_csv_columns, input_kind, local_path, missing_local_file, moved_folders,
                     relative_to_common_folder, sha256_of, shard_name_collision, shard_urls)
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
@@ -249,7 +249,8 @@ def _check_what_openclip_refuses_with_status_0(args, parser):
                          f"--save-most-recent {said}")
         if args.remote_sync_protocol != 's3':
             parser.error(f"--resume latest with --remote-sync lists the remote's checkpoints with aws s3, which "
-                         f"--remote-sync-protocol {args.remote_sync_protocol} is not: give --resume a checkpoint {said}")
+                         f"--remote-sync-protocol {args.remote_sync_protocol} is not: give --resume a checkpoint "
+                         f"{said}")
     log = os.path.join(args.logs, args.name, 'out.log') if args.logs and args.name and not args.log_local else None
     if log and args.resume != 'latest' and os.path.exists(log):
         parser.error(f"--name {args.name}: '{log}' exists, a run of that name: give another --name, or --resume "
@@ -396,10 +397,10 @@ def check_csv_keys(store, csv_path, images) -> Optional[str]:
                                 f"which has {len(images)} rows")
     if keys == images:
         return None
-    if relative_to_common_folder(keys) == relative_to_common_folder(images):
-        return (f"drrho-openclip: the images of '{csv_path}' are below '{common_folder(images) or '.'}', where "
-                f"'{store.root}' was written for them below '{common_folder(keys) or '.'}': the same files in the same "
-                f"order, read as a moved dataset")
+    moved = moved_folders(keys, images)
+    if moved:
+        return (f"drrho-openclip: the images of '{csv_path}' are below '{moved[1]}', where '{store.root}' was written "
+                f"for them below '{moved[0]}': the same files in the same order, read as a moved dataset")
     row = next(row for row, (key, image) in enumerate(zip(keys, images)) if key != image)
     raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{keys[row]}' there and "
                             f"'{images[row]}' in '{csv_path}'")
