@@ -49,8 +49,8 @@ DRRHO_DEFAULTS = get_loss_spec('drrho').defaults
 TARGET_NEGATIVES = DRRHO_DEFAULTS['target_negatives']
 # The τ suggested, whatever the margins: drrho's default start, learned from there. A rule from the margins (the
 # smallest τ whose median anchor starts on at least TARGET_NEGATIVES effective negatives, as --temperature auto) gives
-# 0.0035-0.022 on the evidence's references at the default α, and every start from 0.0035 to 0.035 lost to
-# --loss clip wherever it was measured (docs/defaults.md, "Temperature").
+# 0.0035-0.022 on the evidence's references at the default α, and the starts from 0.0035 to 0.035 lost to the
+# 0.07 start in all 14 cells measured, and to --loss clip in 13 (docs/defaults.md, "Temperature").
 SUGGESTED_TEMPERATURE = DRRHO_DEFAULTS['temperature']
 # The full shift (α = 1) beat the default α on the mean in all 13 evidence settings where a `clip` target's recall
 # stayed below this fraction of the reference's (in one, by seed, only 1 of 3), and lost in all 16 where it reached it
@@ -207,9 +207,9 @@ def verdict(r: ReferenceReport) -> List[str]:
                  f"{TARGET_NEGATIVES:g} effective negatives)")
     lines.append(f"Suggested: drrho's default, τ learned from {s:g} on the paper's SogCLR estimate (--lr-tau auto); "
                  f"at batch {r.batch_size} and reference weight {r.reference_weight:g} it starts each anchor's update "
-                 f"on about {r.effective_negatives[s]:.0f} of its {negatives} negatives. Lower starts lost to "
-                 f"--loss clip in every real-data setting measured (0.0035 to 0.035, --temperature auto's among "
-                 f"them); {auto}.")
+                 f"on about {r.effective_negatives[s]:.0f} of its {negatives} negatives. Lower starts (0.0035 to 0.035, "
+                 f"--temperature auto's among them) lost to it in all 14 real-data cells measured, and to --loss "
+                 f"clip in 13; {auto}.")
     if few_negatives:
         lines.append(f"A batch of {r.batch_size} gives each anchor {negatives} negatives, no more than the "
                      f"{TARGET_NEGATIVES:g} effective ones drrho's --rho auto keeps: ρ is 0 there, and a learned τ "

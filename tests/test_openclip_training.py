@@ -319,7 +319,8 @@ def test_resuming_a_finished_run_says_it_trains_nothing(shapes, tmp_path):
 def test_resume_latest_refuses_what_openclip_picks_by_name_over_the_newest_epoch(shapes, tmp_path):
     """OpenCLIP's --resume latest is the last *.pt by name: a stale epoch_latest.pt (an earlier run with
     --save-most-recent) came before a later epoch_N.pt, which was trained again and overwritten; a tmp.pt left by a
-    killed save came before everything, and ended in torch's traceback."""
+    killed save came before everything, and ended in torch's traceback; with --save-most-recent and no
+    epoch_latest.pt, the run started from scratch over the epochs there."""
     args = train_args(shapes, tmp_path, 'run', '--loss', 'sogclr', '--save-most-recent', epochs=2)
     run_openclip(args)
     folder = tmp_path / 'run' / 'checkpoints'
@@ -340,6 +341,16 @@ def test_resume_latest_refuses_what_openclip_picks_by_name_over_the_newest_epoch
     assert f"--resume latest found '{folder / 'tmp.pt'}', the file OpenCLIP writes epoch_latest.pt through" in \
         result.stderr, result.stderr[-2000:]
     assert not (folder / 'epoch_3.pt').exists()
+    # with --save-most-recent OpenCLIP looks for epoch_latest.pt only: without it, it started from scratch and
+    # overwrote epoch_1.pt and epoch_2.pt
+    (folder / 'tmp.pt').unlink()
+    result = run_openclip([*again, '--save-most-recent'], check=False)
+    assert result.returncode != 0
+    assert (f"--resume latest with --save-most-recent found no epoch_latest.pt in '{folder}', but "
+            f"'{folder / 'epoch_2.pt'}' holds an epoch of the run") in result.stderr, result.stderr[-2000:]
+    assert hashlib.sha256((folder / 'epoch_2.pt').read_bytes()).hexdigest() == digest
+    run_openclip(again)  # what the messages advise: resumes from epoch 2
+    assert checkpoint(tmp_path, 'run', 3)['epoch'] == 3
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks(shapes, tmp_path):

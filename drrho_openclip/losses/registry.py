@@ -43,7 +43,7 @@ TAU_OBJECTIVES = ('estimator', 'batch')
 OPTION_HELP = dict(
     temperature="τ: fixed, its initial value when learned, or 'auto': chosen from the first batch's reference margins "
                 "(its median anchor spreads its weight over --target-negatives negatives), then learned; it starts "
-                "far below 0.07 and lost to clip wherever measured at drrho's default --reference-weight",
+                "far below 0.07 and lost to the 0.07 start wherever measured at drrho's default --reference-weight",
     learn_temperature="learn the global τ from --temperature with the KL-constrained DRO objective and ρ",
     temperature_optimizer="what learns a learned global τ: 'loss' (the loss's own Adam on log τ with --lr-tau, "
                           "bounded by --tau-min/--tau-max) or 'model' (the model's logit_scale, by OpenCLIP's "

@@ -58,6 +58,8 @@ def check_resumed_loss(loss, run: Run, args):
     --loss or other state flags, whose optimizer groups and state differ too, which torch reports without the
     cause. So does one whose per-sample state is of other samples (`_stop_on_another_run`). Local files here; a remote
     checkpoint is read once, by OpenCLIP, and its loss state checked when it arrives (`resolve_loss_state`)."""
+    if run.resume_latest and not args.resume and args.save_most_recent:
+        _check_nothing_to_resume(Path(args.checkpoint_path))
     if not args.resume or not os.path.isfile(args.resume):
         return
     if run.resume_latest and Path(args.resume).name == OPENCLIP_SAVE_TMP:
@@ -86,18 +88,33 @@ def check_resumed_loss(loss, run: Run, args):
     check_loss_state(checkpoint.get('loss_state') or {}, loss, run, args, weights)
 
 
+def _newest_epoch_after(folder: Path, epoch: int) -> Path | None:
+    """The epoch_N.pt in `folder` of the largest N > `epoch`, if any."""
+    later = [(int(m.group(1)), path) for path in folder.glob('epoch_*.pt')
+             for m in [EPOCH_CHECKPOINT.fullmatch(path.name)] if m and int(m.group(1)) > epoch]
+    return max(later)[1] if later else None
+
+
+def _check_nothing_to_resume(folder: Path):
+    """With --save-most-recent, OpenCLIP's `--resume latest` looks for epoch_latest.pt only: without it (a run of the
+    name that saved none, or a deleted file) the run starts from scratch and overwrites the epochs it finds."""
+    newest = _newest_epoch_after(folder, 0)
+    if newest is not None:
+        raise SystemExit(f"drrho-openclip: --resume latest with --save-most-recent found no epoch_latest.pt in "
+                         f"'{folder}', but '{newest}' holds an epoch of the run, which a start from scratch would "
+                         f"overwrite: run once without --save-most-recent, which resumes from the newest epoch_N.pt")
+
+
 def _check_latest_is_newest(resumed: Path, epoch: int):
     """OpenCLIP's `--resume latest` is the last *.pt file by name, where epoch_latest.pt follows every epoch_N.pt:
     one left by an earlier run with --save-most-recent is chosen over the later epochs of a run without it, which
     would then be trained again and overwritten."""
-    later = [(int(m.group(1)), path) for path in resumed.parent.glob('epoch_*.pt')
-             for m in [EPOCH_CHECKPOINT.fullmatch(path.name)] if m and int(m.group(1)) > epoch]
-    if later:
-        newest = max(later)[1]
+    newest = _newest_epoch_after(resumed.parent, epoch)
+    if newest is not None:
         raise SystemExit(f"drrho-openclip: --resume latest found '{resumed}' (epoch {epoch}), but '{newest}' holds a "
                          f"later epoch of the run: OpenCLIP's latest is the last file by name, here one left by an "
-                         f"earlier run with --save-most-recent. Resume with --resume {newest}, or remove the stale "
-                         f"file (and keep --save-most-recent on in every run of the name, or off in all)")
+                         f"earlier run with --save-most-recent. Remove the stale file and run again (and keep "
+                         f"--save-most-recent on in every run of the name, or off in all)")
 
 
 def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
