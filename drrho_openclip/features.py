@@ -117,10 +117,13 @@ def encode(features: np.ndarray, dtype: str):
     """[n, 2, dim] features → (array to store, [n, 2] float32 scales for int8 or None)."""
     if dtype != 'int8':
         return features.astype(DTYPES[dtype]), None
-    # symmetric per vector: its largest |component| maps to ±127, whatever the vector's spread
+    # symmetric per vector: its largest |component| maps to ±127, whatever the vector's spread. A vector with a
+    # NaN or inf keeps it in its scale (its int8 values are 0), so that reading it back finds it non-finite
     peak = np.abs(features).max(axis=-1)
-    scales = (np.where(peak > 0, peak, 1) / 127).astype(np.float32)
-    return np.rint(features / scales[..., None]).clip(-127, 127).astype(np.int8), scales
+    finite = np.isfinite(peak)
+    scales = (np.where(peak == 0, 1, np.where(finite, peak, np.nan)) / 127).astype(np.float32)
+    quantised = np.rint(features / np.where(finite, scales, 1)[..., None]).clip(-127, 127)
+    return np.where(finite[..., None], quantised, 0).astype(np.int8), scales
 
 
 def decode(stored: np.ndarray, scales: Optional[np.ndarray] = None) -> np.ndarray:
@@ -265,7 +268,8 @@ class FeatureStore:
             raise FeatureStoreError(f"shard '{name}': '{path}' has shape {tuple(array.shape)}, the manifest says "
                                     f"{shape}")
         if dtype is not None and array.dtype != dtype:
-            raise FeatureStoreError(f"shard '{name}': '{path}' holds {array.dtype}, the manifest says {self.dtype}")
+            raise FeatureStoreError(f"shard '{name}': '{path}' holds {array.dtype}, not {np.dtype(dtype)}"
+                                    f" (the manifest says {self.dtype})")
         return array
 
     def _require_features(self):

@@ -40,7 +40,8 @@ from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, 
                    missing_local_file, moved_folders, read_csv, resolve_dataset_type, shard_keys, shard_samples,
                    sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
-                       FeatureStoreWriter, finished_store_differences, partial_dir, shard_files, shard_name)
+                       FeatureStoreWriter, check_rows, finished_store_differences, partial_dir, shard_files,
+                       shard_name)
 from .openclip.reference import create_model, pretrained_problem
 
 # How long a part that finds the store being finished by another waits to see it done (the move takes a moment;
@@ -262,8 +263,15 @@ def _compute(args, shards, writer, encoder):
         parts = encoded.pop(name, None)
         if not parts:
             raise SystemExit(f"shard '{name}' holds no image-text samples")
-        writer.add_shard(name, [k for p in parts for k in p[0]], *_fetch(parts, args.device),
-                         rows_are_index=args.dataset_type == 'csv')
+        keys, (image, text) = [k for p in parts for k in p[0]], _fetch(parts, args.device)
+        csv = args.dataset_type == 'csv'
+        try:  # a reference with a NaN in its weights (or a zero feature) is found at its first shard, not at verify
+            check_rows(name, keys, image, text, normalize_hint='the encoders normalise theirs', rows_are_index=csv)
+        except FeatureStoreError as e:
+            raise SystemExit(f"the reference --model {args.model}"
+                             + (f" --pretrained {args.pretrained}" if args.pretrained else '')
+                             + f" gives features that cannot be stored: {e}; nothing of the shard was written")
+        writer.add_shard(name, keys, image, text, rows_are_index=csv)
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
     return samples, time.perf_counter() - start

@@ -15,7 +15,7 @@ import torch
 from conftest import ENV
 from drrho_openclip import precompute
 from drrho_openclip.data import local_file_sizes, missing_local_file
-from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreWriter
+from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter
 
 SIZES = (7, 9, 5, 11, 8)  # samples per tar shard: uneven, so parts differ in size
 
@@ -211,6 +211,37 @@ def test_every_dtype_loads_as_float32(tmp_path, dtype, tolerance):
     assert np.array_equal(store.shard_features('a')[3], np.zeros((2, 24)))
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'float16', 'int8'])
+def test_a_non_finite_vector_reads_back_as_one(tmp_path, dtype):
+    """int8 stored a NaN vector as zeros at a finite scale: training then read a zero reference feature and went on."""
+    features = np.full((2, 4, 8), 8 ** -0.5)
+    features[1, 2, 5] = np.nan
+    writer = FeatureStoreWriter(tmp_path / 'ref', 'm', '', dim=8, dtype=dtype)
+    writer.add_shard('a', [f'k{i}' for i in range(4)], features[0], features[1])
+    assert writer.close()
+    store = FeatureStore.open(tmp_path / 'ref')
+    store.batch_features(torch.tensor([0, 1, 3]))
+    with pytest.raises(FeatureStoreError, match="shard 'a', row 2: non-finite features"):
+        store.batch_features(torch.tensor([0, 2]))
+
+
+def test_a_reference_that_gives_non_finite_features_stops_precompute_at_its_first_shard(data, tmp_path):
+    checkpoint = data['args'][data['args'].index('--pretrained') + 1]
+    state = torch.load(checkpoint)
+    state['visual.proj'][0, 0] = float('nan')
+    broken = tmp_path / 'nan.pt'
+    torch.save(state, broken)
+    argv = [str(a) for a in data['args']]
+    argv[argv.index('--pretrained') + 1] = str(broken)
+    for dtype in ('float16', 'int8'):
+        with pytest.raises(SystemExit) as stop:
+            precompute.main(argv + ['--output', str(tmp_path / dtype), '--dtype', dtype])
+        assert (f"the reference --model {argv[argv.index('--model') + 1]} --pretrained {broken} gives features that "
+                f"cannot be stored: shard 'shard-0', sample '0/sample-000' (row 0): non-finite image features; "
+                f"nothing of the shard was written") == str(stop.value)
+        assert FeatureStoreWriter.resume(tmp_path / dtype).shards == []
+
+
 def test_precompute_writes_int8(data, tmp_path, capsys):
     assert precompute.main(data['args'] + ['--output', tmp_path / 'ref', '--dtype', 'int8']) == 0
     int8, one = FeatureStore.open(tmp_path / 'ref'), FeatureStore.open(data['one'])
@@ -221,6 +252,10 @@ def test_precompute_writes_int8(data, tmp_path, capsys):
     np.save(tmp_path / 'ref' / 'shard-3.scales.npy', scales)
     assert precompute.main(['verify', tmp_path / 'ref']) == 1
     assert "PROBLEM: shard 'shard-3', file 'shard-3.scales.npy': 32 non-finite values (first in row 2)" in \
+        capsys.readouterr().out
+    np.save(tmp_path / 'ref' / 'shard-3.scales.npy', scales.astype(np.float16))
+    assert precompute.main(['verify', tmp_path / 'ref']) == 1
+    assert f"'{tmp_path / 'ref' / 'shard-3.scales.npy'}' holds float16, not float32 (the manifest says int8)" in \
         capsys.readouterr().out
 
 
