@@ -87,23 +87,33 @@ def _sample(store: FeatureStore, count: int, generator: torch.Generator):
     return image.double(), text.double()
 
 
+# Similarities (float64, of float32 features) this close are a tie: equal vectors' products with an anchor differ in
+# their last bits by where a matrix product puts them
+TIE_TOLERANCE = 1e-9
+
+
 def retrieval_ranks(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dict[str, torch.Tensor]:
-    """Per sample and direction, how many candidates score above its own caption (image), ties not counted (in
-    chunks of anchors: memory O(chunk · n), not n²)."""
+    """Per sample and direction, [n, 2]: how many candidates score above its own caption (image), and how many tie
+    with it (in chunks of anchors: memory O(chunk · n), not n²)."""
     out = {}
     for direction, anchors, candidates in (('image_to_text', image, text), ('text_to_image', text, image)):
         ranks = []
         for start in range(0, len(anchors), chunk):
             sim = anchors[start:start + chunk] @ candidates.T
-            positive = sim[:, start:start + chunk].diagonal()  # from the same product: rounded alike
-            ranks.append((sim > positive[:, None]).sum(dim=1))
+            positive = sim[:, start:start + chunk].diagonal()[:, None]
+            above = (sim > positive + TIE_TOLERANCE).sum(dim=1)
+            level = (sim >= positive - TIE_TOLERANCE).sum(dim=1) - above - 1  # -1: itself
+            ranks.append(torch.stack([above, level], dim=1))
         out[direction] = torch.cat(ranks)
     return out
 
 
 def retrieval(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dict[str, float]:
-    """R@1 and R@5 (%) of each sample's own caption among all texts, and of its own image among all images."""
-    return {f'{direction}_R@{k}': 100 * (rank < k).double().mean().item()
+    """R@1 and R@5 (%) of each sample's own caption among all texts, and of its own image among all images, with ties
+    broken at random, in expectation: a sample among t others of its score is in the top k with probability
+    (k − above)/(t + 1), clipped to [0, 1]. Counted as hits, ties gave a reference whose features are all alike 100 %;
+    an image that several captions share (COCO) ties with itself in the other rows."""
+    return {f'{direction}_R@{k}': 100 * ((k - rank[:, 0]) / (rank[:, 1] + 1)).clamp(0, 1).double().mean().item()
             for direction, rank in retrieval_ranks(image, text, chunk).items() for k in (1, 5)}
 
 
@@ -203,8 +213,8 @@ def verdict(r: ReferenceReport) -> List[str]:
     few_negatives = negatives <= TARGET_NEGATIVES  # no τ puts an anchor on TARGET_NEGATIVES effective negatives
     auto = (f"here --temperature auto would start at its bound τ = {r.auto_temperature:.3g}, since no τ gives an "
             f"anchor with {negatives} negatives the {TARGET_NEGATIVES:g} effective ones it aims at" if few_negatives
-            else f"here --temperature auto would start at τ = {r.auto_temperature:.3g} (the median anchor on "
-                 f"{TARGET_NEGATIVES:g} effective negatives)")
+            else f"here --temperature auto would start at τ = {r.auto_temperature:.3g} (the smallest τ whose median "
+                 f"anchor starts on at least {TARGET_NEGATIVES:g} effective negatives)")
     lines.append(f"Suggested: drrho's default, τ learned from {s:g} on the paper's SogCLR estimate (--lr-tau auto); "
                  f"at batch {r.batch_size} and reference weight {r.reference_weight:g} it starts each anchor's update "
                  f"on about {r.effective_negatives[s]:.0f} of its {negatives} negatives. Lower starts (0.0035 to 0.035, "

@@ -48,6 +48,17 @@ def test_retrieval_and_margins_from_the_definition():
             expected[f'{name}_R@{k}'] = 100 * np.mean([r < k for r in ranks])
     assert retrieval(image, text) == pytest.approx(expected)
     assert retrieval(image, text, chunk=7) == pytest.approx(expected)  # anchors in chunks, the last one short
+    # ties are broken at random, in expectation: features all alike found a sample's own pair first for every sample
+    alike = torch.ones(50, 8, dtype=torch.float64) / 8 ** 0.5
+    assert retrieval(alike, alike) == pytest.approx({f'{d}_R@{k}': 100 * k / 50 for d in ('image_to_text',
+                                                     'text_to_image') for k in (1, 5)})
+    # an image with three captions (three rows of one image): each caption finds its image among three equal ones
+    shared = image.clone()
+    shared[1:3] = shared[0]
+    got = retrieval(shared, text)
+    ranks = [(sim[:, i] > sim[i, i]).sum() for i in range(3)]
+    assert got['text_to_image_R@1'] - expected['text_to_image_R@1'] == pytest.approx(
+        100 * (sum(max(0, 1 - r) / 3 for r in ranks) - sum(r < 1 for r in ranks)) / 50)
     pick = torch.randperm(50, generator=torch.Generator().manual_seed(1))[:10]
     margins = batch_margins([(image[pick], text[pick])] * 2)
     assert margins.shape == (2 * 2 * 10, 9)
