@@ -20,7 +20,7 @@ SAMPLE_INDEX=${SAMPLE_INDEX-}                          # WebDataset, a stateful 
 LOGS=${LOGS:-./logs}
 NAME=${NAME:-$LOSS-${MODEL//[\/:]/-}}                  # fixed: what --resume latest looks up (no / or : of
                                                        # an hf-hub: or local-dir: model name in a folder name)
-TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 256 --epochs 30 --lr 1e-3 --wd 0.1 --warmup 2000 --workers 6 \
+TRAIN_ARGS=${TRAIN_ARGS-"--batch-size 256 --epochs 30 --lr 1e-3 --wd 0.1 --warmup 2000 --workers 6 \
     --precision amp_bf16 --save-frequency 1"}   # bf16: Ampere and newer; --precision amp on V100
 NPROC=${NPROC:-gpu}                                    # processes; "gpu": one per visible GPU
 
@@ -35,7 +35,9 @@ cmd=(torchrun --standalone --nproc_per_node="$NPROC"
 # anchors and the gathered global batch as candidates, and would warn that they ignore these
 case "$LOSS" in clip|jest|jest-topk) cmd+=(--local-loss --gather-with-grad) ;; esac
 [[ -n "$SAMPLE_INDEX" ]] && cmd+=(--sample-index "$SAMPLE_INDEX")
-read -ra extra <<< "$TRAIN_ARGS"
+# TRAIN_ARGS: split on spaces and newlines, quotes not read (an argument with a space goes on the command line);
+# set empty for none. -d '': every line, not the first; read then ends at the input's end, with status 1
+read -ra extra -d '' <<< "$TRAIN_ARGS" || true
 cmd+=("${extra[@]}" "$@")   # later flags win: arguments of this script override the settings
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

@@ -56,7 +56,9 @@ def fake_scontrol(tmp_path):
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
     script = bin_dir / 'scontrol'
-    script.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    # and 'big[1-20000]', a node list longer than a pipe's buffer
+    script.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n'
+                      '[ "$1 $2 $3" = "show hostnames big[1-20000]" ] && exec seq -f "big%05g" 20000\nexit 0\n')
     script.chmod(0o755)
     return bin_dir
 
@@ -78,6 +80,24 @@ def test_slurm_train_runs_one_torchrun_per_node_with_a_c10d_rendezvous(fake_scon
     assert option(args, '--train-data') == '/d/{0..9}.tar'
     assert '--logs' in args and option(args, '--name') == 'drrho-ViT-B-16'  # a fixed name: the run to resume
     assert args[-2:] == ['--lr', '1e-3']  # the script's arguments come last, so they win
+
+
+def test_slurm_train_takes_the_first_node_of_a_long_node_list(fake_scontrol):
+    """`scontrol ... | head -n 1` under pipefail: scontrol, killed by SIGPIPE, ended the job with status 141."""
+    cmd = printed_command('slurm_train.sbatch', path_prefix=fake_scontrol, SLURM_JOB_NODELIST='big[1-20000]',
+                          SLURM_NNODES='20000', SLURM_JOB_ID='7')
+    assert option(cmd, '--rdzv_endpoint') == f'big00001:{29500 + 7}'
+
+
+@pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
+def test_train_args_over_several_lines_and_empty(script):
+    """TRAIN_ARGS over several lines lost every line after the first; set empty, it still gave the defaults."""
+    args = training_args(printed_command(script, TRAIN_ARGS='--batch-size 4\n    --epochs 3 --lr 5e-4\n'))
+    assert args[-6:] == ['--batch-size', '4', '--epochs', '3', '--lr', '5e-4']
+    assert '--precision' not in args
+    args = training_args(printed_command(script, TRAIN_ARGS=''))
+    assert not {'--batch-size', '--precision', '--epochs'} & set(args)
+    assert option(training_args(printed_command(script)), '--precision') == 'amp_bf16'  # unset: the script's
 
 
 def test_slurm_train_dry_run_outside_slurm_and_a_loss_without_reference():
