@@ -1,6 +1,6 @@
 """Does distillation from a strong reference help, and why did it not with CLIP's teacher scale of 100?
 
-    python benchmarks/distillation.py            # batch 64, 3 seeds (~15 min on 2 idle cores)
+    python benchmarks/distillation.py            # batch 64, 3 seeds (~20 min on 2 cores)
     python benchmarks/distillation.py --quick    # a pipeline check (~2 min)
 
 The setting of benchmarks/temperature_defaults.py (the demo's drawn shapes, a strong reference trained with CLIP's

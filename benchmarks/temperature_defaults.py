@@ -1,6 +1,6 @@
 """Does `--loss drrho` with no temperature flag match or beat `--loss clip`? And does its learned τ move?
 
-    python benchmarks/temperature_defaults.py            # batches 64 and 256, 3 seeds (~25 min on 2 idle cores)
+    python benchmarks/temperature_defaults.py            # batches 64 and 256, 3 seeds (~60 min on 2 cores)
     python benchmarks/temperature_defaults.py --quick    # a pipeline check (~3 min)
 
 On the demo's drawn shapes (drrho_openclip/demo.py: data, tiny model, zero-shot classes):

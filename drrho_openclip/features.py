@@ -28,6 +28,7 @@ the directory moved to `root`: an interrupted precompute leaves no store that lo
 
 Writing a store from Python (what `drrho-openclip-features import` does with arrays from any model):
 
+    import os
     from drrho_openclip.features import FeatureStoreWriter, check_rows, shard_name
 
     tars = ['shards/00000.tar', 'shards/00001.tar']
