@@ -136,6 +136,19 @@ def parse_args(argv=None):
     return args
 
 
+class UnreadableImage(ValueError):
+    """An image of a CSV that cannot be decoded: precompute stops, naming it (`_stopping_at_unreadable`)."""
+
+
+def _stopping_at_unreadable(batches):
+    """`batches`, where an unreadable image stops precompute with its one line: raised in a loader worker, torch
+    raises it again with the worker's traceback in its message, whose last line is the error's."""
+    try:
+        yield from batches
+    except UnreadableImage as e:
+        raise SystemExit(str(e).rstrip().splitlines()[-1].split(f'{UnreadableImage.__name__}: ', 1)[-1]) from None
+
+
 class _CsvImages(torch.utils.data.Dataset):
     def __init__(self, paths, captions, transform, tokenizer):
         self.paths, self.captions, self.transform, self.tokenizer = paths, captions, transform, tokenizer
@@ -147,7 +160,8 @@ class _CsvImages(torch.utils.data.Dataset):
         try:  # OpenCLIP's CsvDataset stops at such an image too: name it
             image = self.transform(Image.open(str(self.paths[i])))
         except (OSError, ValueError) as e:
-            raise ValueError(f"CSV row {i}: image '{self.paths[i]}' cannot be read ({type(e).__name__}: {e})") from e
+            raise UnreadableImage(f"CSV row {i}: image '{self.paths[i]}' cannot be read ({type(e).__name__}: "
+                                  f"{e})") from e
         return image, self.tokenizer([str(self.captions[i])])[0]
 
 
@@ -254,7 +268,7 @@ def _compute(args, shards, writer, encoder):
     progress = tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
                     dynamic_ncols=True)
     samples, start = 0, time.perf_counter()
-    for name, keys, images, texts in batches:
+    for name, keys, images, texts in _stopping_at_unreadable(batches):
         if keys is not None:
             encoded.setdefault(name, []).append((keys, *_encode(model, images, texts, args.device)))
             samples += len(keys)  # counted here: a disabled progress bar counts nothing
