@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..losses import ATTACHED_PREFIX, attached_names, load_state_shards, per_sample_tables, save_state_shards
-from .flags import csv_fingerprint_as_written, flag, trains
+from .flags import CHOSEN_BY_THE_RUN, csv_fingerprint_as_written, flag, trains
 from .run import Run
 
 SHARDS_KEY = 'per_sample_state_shards'
@@ -190,8 +190,10 @@ def _warn_of_changes(saved: dict, run: Run, args):
                         f"schedules that follow the run's length start over at its new length (OpenCLIP's learning "
                         f"rate, --lr-tau auto), so the resumed epochs are not those of a run of {args.epochs} epochs")
     options, saved_options = run.provenance.get('options', {}), saved.get('options', {})
+    # where the per-sample rows live and how the matrix is tiled change no value (and follow the number of ranks)
     changed = [f"{flag(o)} {saved_options.get(o)} -> {options.get(o)}"
-               for o in sorted(set(options) | set(saved_options)) if saved_options.get(o) != options.get(o)]
+               for o in sorted((set(options) | set(saved_options)) - set(CHOSEN_BY_THE_RUN))
+               if saved_options.get(o) != options.get(o)]
     if changed:
         logging.warning(f"{resume} was trained with other --loss {run.loss_name} options; resuming with "
                         f"{', '.join(changed)}")
