@@ -198,6 +198,39 @@ def test_balanced_multiplies_16_bit_features_in_16_bit_once(steps):
         torch.testing.assert_close(got.float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
 
 
+@pytest.mark.parametrize('name, options', [
+    ('drrho', dict(num_samples=16, temperature=0.2, gamma=0.5, distill_weight=0.25, reference_logit_scale=5.0)),
+    ('drrho', dict(num_samples=16, temperature=0.2, gamma=0.5, tile_size=4)),
+    ('balanced', dict(reference_shift=True))])
+def test_float32_features_under_16_bit_autocast_multiply_in_16_bit(name, options):
+    """On CUDA, autocast runs F.normalize in float32, so OpenCLIP's --precision amp_bf16 hands the loss float32
+    features: their products ran in float32 (and were gathered in it), where ClipLoss's run in bf16. Under a bf16
+    autocast they now multiply as the same features cast to bf16 do, outside it."""
+    results = []
+    for autocast in (True, False):
+        loss = create_loss(name, **options)
+        if hasattr(loss, 'set_total_steps'):
+            loss.set_total_steps(2)
+        g = torch.Generator().manual_seed(6)
+        image, text, ref_image, ref_text = (grid(g, 10) for _ in range(4))
+        if not autocast:
+            image, text, ref_image, ref_text = (x.bfloat16() for x in (image, text, ref_image, ref_text))
+        image.requires_grad_(), text.requires_grad_()
+        extra = dict(index=torch.arange(10)) if name == 'drrho' else {}
+        with _ProductDtypes() as products, torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+            total = loss(image, text, torch.tensor(5.0), ref_image_features=ref_image, ref_text_features=ref_text,
+                         **extra)
+        grads = torch.autograd.grad(total, [image, text])
+        assert (torch.bfloat16, torch.bfloat16) in products.seen
+        results.append([products.seen, total, *grads])
+    (seen, total, *grads), (want_seen, want_total, *want_grads) = results
+    assert seen == want_seen  # KD's products are float32 in both
+    assert grads[0].dtype == torch.float32  # the gradient of float32 features is float32
+    torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # backward inside the caller's autocast region (OpenCLIP calls backward outside it; other loops need not)
 

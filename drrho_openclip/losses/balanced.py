@@ -213,9 +213,9 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         check_eval_call(self, accum_step)
         device = image_features.device
+        # the products in autocast's 16-bit dtype, or the features' own; everything elementwise in float32
+        dtype = pairwise_dtype(image_features, text_features)
         with autocast_disabled(device):
-            # 16-bit features stay 16-bit for the products (float32 accumulation); the balancing runs in float32
-            dtype = pairwise_dtype(image_features, text_features)
             image, text = image_features.to(dtype), text_features.to(dtype)
             all_image = gather_batch(image, self.world_size, with_grad=True, device=device)
             all_text = gather_batch(text, self.world_size, with_grad=True, device=device)

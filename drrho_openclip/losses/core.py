@@ -213,9 +213,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         for part in (self.state, self.temperature):
             if getattr(part, 'sharding', None) is not None:
                 part.sharding.new_call()
+        # the products in autocast's 16-bit dtype, or the features' own; everything elementwise in float32
+        dtype = pairwise_dtype(image_features, text_features)
         with autocast_disabled(device):
-            # 16-bit features stay 16-bit for the pairwise products; the aggregation returns float32 log g
-            dtype = pairwise_dtype(image_features, text_features)
             image, text = image_features.to(dtype), text_features.to(dtype)
             all_image = gather_batch(image, self.world_size, with_grad=True, device=device)
             all_text = gather_batch(text, self.world_size, with_grad=True, device=device)

@@ -1,9 +1,10 @@
 """The dtypes the losses compute in.
 
-Pairwise products (similarities, and in backward the gradient times the features) run in the features' own dtype:
-bf16/fp16 features keep the matrix products on the tensor cores, with float32 accumulation and a float32 result.
-Everything elementwise over the pairs (ℓ̂/τ, log-sum-exp, exp, the weights) is float32 or wider, since ℓ̂/τ at
-τ = 0.01 spans hundreds. float32 and float64 features compute exactly as given.
+Pairwise products (similarities, and in backward the gradient times the features) run in the caller's 16-bit autocast
+dtype, or outside autocast in the features' own: bf16/fp16 keep the matrix products on the tensor cores, with float32
+accumulation and a float32 result. Everything elementwise over the pairs (ℓ̂/τ, log-sum-exp, exp, the weights) is
+float32 or wider, since ℓ̂/τ at τ = 0.01 spans hundreds. float32 and float64 features outside autocast compute
+exactly as given.
 """
 import contextlib
 import functools
@@ -42,8 +43,14 @@ def elementwise_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def pairwise_dtype(image_features: torch.Tensor, text_features: torch.Tensor) -> torch.dtype:
-    """The dtype of the loss's pairwise products: the features' own when both are the same 16-bit dtype (tensor
-    cores), else float32 or wider."""
+    """The dtype of the loss's pairwise products: the caller's 16-bit autocast dtype, where it is on (called outside
+    `autocast_disabled`), as the caller's own products get it: on CUDA, autocast runs F.normalize in float32, so
+    OpenCLIP's `--precision amp_bf16` hands the loss float32 features. Else the features' own when both are the same
+    16-bit dtype (tensor cores), else float32 or wider."""
+    device = image_features.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        if torch.get_autocast_dtype(device) in HALF_DTYPES:
+            return torch.get_autocast_dtype(device)
     dtype = torch.promote_types(image_features.dtype, text_features.dtype)
     return dtype if dtype in HALF_DTYPES else elementwise_dtype(dtype)
 
