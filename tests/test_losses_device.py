@@ -231,6 +231,17 @@ def test_float32_features_under_16_bit_autocast_multiply_in_16_bit(name, options
         torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
 
 
+def test_jest_scores_its_selection_in_float32_under_autocast():
+    """JEST's chunk scores (log-sum-exps of logits at scale up to 100) ran in autocast's bf16 products, off the
+    float32 its selection is written in: bf16 rounds such logits by up to half a nat."""
+    loss = create_loss('jest-topk', selection_ratio=0.5, num_chunks=3, reference_logit_scale=100.0)
+    g = torch.Generator().manual_seed(7)
+    image, text, ref_image, ref_text = (F.normalize(torch.randn(12, 8, generator=g), dim=1) for _ in range(4))
+    with _ProductDtypes() as products, torch.autocast('cpu', dtype=torch.bfloat16):
+        loss.select(image, text, torch.tensor(50.0), ref_image, ref_text)
+    assert products.seen and all(set(d) == {torch.float32} for d in products.seen), products.seen
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # backward inside the caller's autocast region (OpenCLIP calls backward outside it; other loops need not)
 

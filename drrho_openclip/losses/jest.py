@@ -35,7 +35,7 @@ from .base import (WINDOW_NOT_OPENED, LastCallMetrics, ReferenceFeatures, check_
 from .clip import ClipLoss
 from .collectives import gather_batch
 from .distill import TeacherLogitScale
-from .precision import at_least_float32
+from .precision import at_least_float32, autocast_disabled
 
 
 # a draw's key packs (selection count, chunk, row): distinct for every draw of a run on one rank
@@ -89,40 +89,43 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
     @torch.no_grad()
     def select(self, image_features, text_features, logit_scale, ref_image_features, ref_text_features):
         """This rank's rows of the sub-batch (a [b · selection_ratio] index into its super-batch rows)."""
-        features = [at_least_float32(f) for f in (image_features, text_features, ref_image_features, ref_text_features)]
-        image, text, ref_image, ref_text = features
-        s = at_least_float32(torch.as_tensor(logit_scale)).detach()
-        t = self.reference_logit_scale(ref_image, ref_text).to(image.dtype)
-        diagonal = t * (ref_image * ref_text).sum(1) - s * (image * text).sum(1)
-        # log Σ_{j∈S} exp of: learner image→text, learner text→image, reference image→text, reference text→image
-        lse = torch.full((4, image.shape[0]), float('-inf'), dtype=image.dtype, device=image.device)
-        available = torch.ones(image.shape[0], dtype=torch.bool, device=image.device)
-        sizes = self.chunk_sizes(image.shape[0])
-        picks = []
-        for chunk, size in enumerate(sizes):
-            scores = diagonal if chunk == 0 else diagonal + (lse[0] - lse[2] + lse[1] - lse[3]) / 2
-            if chunk == 0 or not self.topk:
-                scores = scores + self._gumbel(scores, chunk)
-            pick = scores.masked_fill(~available, float('-inf')).topk(size).indices
-            available[pick] = False
-            picks.append(pick)
-            if chunk + 1 < len(sizes):
-                # the chunk just drawn, on every rank, joins the set the next chunks are conditioned on
-                dims = [f.shape[1] for f in features]
-                new = gather_batch(torch.cat([f[pick] for f in features], dim=1), self.world_size, with_grad=False,
-                                   device=image.device)
-                new_image, new_text, new_ref_image, new_ref_text = new.split(dims, dim=1)
-                lse = torch.logaddexp(lse, torch.stack([
-                    (s * image @ new_text.T).logsumexp(1), (s * text @ new_image.T).logsumexp(1),
-                    (t * ref_image @ new_ref_text.T).logsumexp(1), (t * ref_text @ new_ref_image.T).logsumexp(1)]))
-        selected = torch.cat(picks)
-        self.selections += 1
-        # for metrics(): the fraction kept, the learner's extra forward compute relative to a step on the kept
-        # sub-batch alone (b_super/b_sub − 1), and the mean first-chunk learnability of all and of the kept
-        self._last = {'selection_rate': len(selected) / image.shape[0],
-                      'extra_forward_fraction': image.shape[0] / len(selected) - 1,
-                      'learnability_mean': diagonal.mean(), 'learnability_selected_mean': diagonal[selected].mean()}
-        return selected
+        with autocast_disabled(image_features.device):  # the scores in float32, not in autocast's 16-bit products
+            features = [at_least_float32(f) for f in
+                        (image_features, text_features, ref_image_features, ref_text_features)]
+            image, text, ref_image, ref_text = features
+            s = at_least_float32(torch.as_tensor(logit_scale)).detach()
+            t = self.reference_logit_scale(ref_image, ref_text).to(image.dtype)
+            diagonal = t * (ref_image * ref_text).sum(1) - s * (image * text).sum(1)
+            # log Σ_{j∈S} exp of: learner image→text, learner text→image, reference image→text, reference
+            # text→image
+            lse = torch.full((4, image.shape[0]), float('-inf'), dtype=image.dtype, device=image.device)
+            available = torch.ones(image.shape[0], dtype=torch.bool, device=image.device)
+            sizes = self.chunk_sizes(image.shape[0])
+            picks = []
+            for chunk, size in enumerate(sizes):
+                scores = diagonal if chunk == 0 else diagonal + (lse[0] - lse[2] + lse[1] - lse[3]) / 2
+                if chunk == 0 or not self.topk:
+                    scores = scores + self._gumbel(scores, chunk)
+                pick = scores.masked_fill(~available, float('-inf')).topk(size).indices
+                available[pick] = False
+                picks.append(pick)
+                if chunk + 1 < len(sizes):
+                    # the chunk just drawn, on every rank, joins the set the next chunks are conditioned on
+                    dims = [f.shape[1] for f in features]
+                    new = gather_batch(torch.cat([f[pick] for f in features], dim=1), self.world_size, with_grad=False,
+                                       device=image.device)
+                    new_image, new_text, new_ref_image, new_ref_text = new.split(dims, dim=1)
+                    lse = torch.logaddexp(lse, torch.stack([
+                        (s * image @ new_text.T).logsumexp(1), (s * text @ new_image.T).logsumexp(1),
+                        (t * ref_image @ new_ref_text.T).logsumexp(1), (t * ref_text @ new_ref_image.T).logsumexp(1)]))
+            selected = torch.cat(picks)
+            self.selections += 1
+            # for metrics(): the fraction kept, the learner's extra forward compute relative to a step on the kept
+            # sub-batch alone (b_super/b_sub − 1), and the mean first-chunk learnability of all and of the kept
+            self._last = {'selection_rate': len(selected) / image.shape[0],
+                          'extra_forward_fraction': image.shape[0] / len(selected) - 1,
+                          'learnability_mean': diagonal.mean(), 'learnability_selected_mean': diagonal[selected].mean()}
+            return selected
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 accum_step=None, output_dict=False, **_):
