@@ -477,5 +477,9 @@ def test_on_a_gpu_tiling_is_chosen_from_its_memory(monkeypatch):
     assert auto_tile_size(32768, 32768, gpu) == 0                   # 14 GiB of 80: untiled, where the CPU tiles
     assert auto_tile_size(49152, 49152, gpu) == DEFAULT_TILE_SIZE   # 31.5 GiB: more than a quarter
     assert auto_tile_size(8192, 65536, gpu) == 0                    # 8 ranks share that batch: 7 GiB per rank
+    # with KD's b×B matrices (34 bytes per pair in all): 34 GiB, more than a quarter (it took 14 per pair)
+    assert auto_tile_size(32768, 32768, gpu, distills=True) == DEFAULT_TILE_SIZE
+    assert auto_tile_size(16384, 16384, gpu, distills=True) == 0
+    assert auto_tile_size(12288, 12288, distills=True) == DEFAULT_TILE_SIZE  # the CPU's 3.5 GiB, at 34 per pair
     monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda device: SimpleNamespace(total_memory=24 * gib))
     assert auto_tile_size(32768, 32768, gpu) == DEFAULT_TILE_SIZE

@@ -19,16 +19,22 @@ from .run import Run
 # take more than a quarter of its memory (an 80 GB GPU from one process at B ≈ 39k, an H200 at ≈ 52k; the model,
 # its activations and the optimiser need the rest), elsewhere from 2^28 pairs (3.5 GiB; one process at 16384).
 UNTILED_BYTES_PER_PAIR = 14
+# KD's untiled term adds the learner's and the teacher's b×B logits and probabilities: 34 bytes per pair in all at its
+# peak, float32 features on the CPU at 4096² (the same measurement)
+UNTILED_KD_BYTES_PER_PAIR = 20
 AUTO_TILE_FROM_PAIRS = 1 << 28
 
 
-def auto_tile_size(local_batch: int, global_batch: int, device: torch.device = torch.device('cpu')) -> int:
-    """The tile size the run uses unless `--tile-size` is given: 0 (untiled) while the untiled matrices fit."""
+def auto_tile_size(local_batch: int, global_batch: int, device: torch.device = torch.device('cpu'),
+                   distills: bool = False) -> int:
+    """The tile size the run uses unless `--tile-size` is given: 0 (untiled) while the untiled matrices fit (with
+    KD's, where the loss `distills`)."""
     pairs = local_batch * global_batch
+    per_pair = UNTILED_BYTES_PER_PAIR + (UNTILED_KD_BYTES_PER_PAIR if distills else 0)
     if device.type == 'cuda':
-        fits = pairs * UNTILED_BYTES_PER_PAIR <= torch.cuda.get_device_properties(device).total_memory / 4
+        fits = pairs * per_pair <= torch.cuda.get_device_properties(device).total_memory / 4
     else:
-        fits = pairs < AUTO_TILE_FROM_PAIRS
+        fits = pairs * per_pair < AUTO_TILE_FROM_PAIRS * UNTILED_BYTES_PER_PAIR
     return 0 if fits else DEFAULT_TILE_SIZE
 
 
@@ -56,7 +62,8 @@ def configure_model(run: Run, model, args):
     device = model.logit_scale.device
     options = dict(run.options)
     if options.get('tile_size', 0) is None:
-        options['tile_size'] = auto_tile_size(local_batch, local_batch * args.world_size, device)
+        options['tile_size'] = auto_tile_size(local_batch, local_batch * args.world_size, device,
+                                              distills=options.get('distill_weight', 0) > 0)
     supplied = get_loss_spec(run.loss_name).run_options
     from_run = dict(num_samples=run.sample_index_size, rank=args.rank, world_size=args.world_size,
                     local_loss=args.local_loss, gather_with_grad=args.gather_with_grad, seed=args.seed)
