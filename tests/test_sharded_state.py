@@ -185,6 +185,36 @@ def test_incomplete_or_foreign_shard_sets_are_named(ranks, tmp_path):
         load_state_shards(one, ranks['dir'] / 'drrho.loss_state', ranks[2][0]['drrho', 'manifest'])
 
 
+@pytest.mark.parametrize('layout', ['replicated', 'sharded'])
+def test_a_sample_twice_in_a_batch_writes_one_value(layout):
+    """--dataset-resampled can put a sample twice in a global batch. CUDA writes repeated indices in an undefined
+    order (each rank's replicated table could keep another value); every write of a repeated index now carries the
+    value of its last occurrence, which the CPU's last write kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from drrho_openclip.losses.state import SampleSharding
+
+    class Writes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.index_put_, torch.ops.aten.index_put):
+                self.seen.append((args[1][0].clone(), args[2].clone()))
+            return func(*args, **(kwargs or {}))
+
+    sharding = SampleSharding(10, layout=layout)
+    table = torch.full((10,), -1.0)
+    index = torch.tensor([3, 7, 3, 1, 7, 3])
+    with Writes() as writes:
+        sharding.write([table], index, [torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])])
+    assert writes.seen
+    for written, values in writes.seen:
+        for i in written.unique():
+            assert len(values[written == i].unique()) == 1, (written, values)
+    assert table.tolist() == torch.tensor([-1, 0.4, -1, 0.6, -1, -1, -1, 0.5, -1, -1]).tolist()
+
+
 def test_layout_option():
     assert build('drrho').sharding.layout == 'replicated'  # one rank: one block either way
     big = create_loss('sogclr', num_samples=AUTO_SHARD_FROM_SAMPLES, rank=1, world_size=2)

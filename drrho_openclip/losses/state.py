@@ -140,6 +140,22 @@ class SampleSharding:
         mine = buffer[self.rank * index.shape[0]:(self.rank + 1) * index.shape[0]]
         return [mine[:, k].to(table.dtype) for k, table in enumerate(tables)]
 
+    @staticmethod
+    def _as_last_occurrence(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`values` ([n, k], one row per entry of `index`) with every entry of a repeated index given the value of its
+        last occurrence. A sample can come twice in a global batch (--dataset-resampled); CUDA writes repeated indices
+        in an undefined order, so each rank's replicated table could keep another of them; the CPU keeps the last.
+        A stable sort and a reversed running minimum: no wait for the device."""
+        order = torch.argsort(index, stable=True)
+        ordered = index[order]
+        positions = torch.arange(len(index), device=index.device)
+        ends_run = torch.ones_like(ordered, dtype=torch.bool)
+        ends_run[:-1] = ordered[1:] != ordered[:-1]
+        run_end = torch.where(ends_run, positions, len(index)).flip(0).cummin(0).values.flip(0)
+        out = torch.empty_like(values)
+        out[order] = values[order[run_end]]
+        return out
+
     @torch.no_grad()
     def write(self, tables, index: torch.Tensor, rows):
         """tables[k][i] = rows[k] for the samples i of every rank's `index` (collective with several ranks)."""
@@ -151,12 +167,14 @@ class SampleSharding:
             packed = torch.stack([index.double()] + [r.double() for r in rows], dim=1)
             packed = gather_batch(packed, self.world_size, with_grad=False, device=device)
             all_index = packed[:, 0].long()
+            values = self._as_last_occurrence(all_index, packed[:, 1:])
             for k, table in enumerate(tables):
-                table[all_index] = packed[:, k + 1].to(table.dtype)
+                table[all_index] = values[:, k].to(table.dtype)
             return
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in tables])
         packed = gather_batch(torch.stack([r.to(dtype) for r in rows], dim=1), self.world_size, with_grad=False,
                               device=device)
+        packed = self._as_last_occurrence(all_index, packed)
         owned, local = self._owned(all_index)
         local, packed = local[owned], packed[owned]
         for k, table in enumerate(tables):
