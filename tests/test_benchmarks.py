@@ -628,7 +628,7 @@ def test_help_describes_a_script_without_running_it(script, tmp_path):
     # feature_store.py took no flags: --help ran it and overwrote the committed results; evidence_summary.py read
     # '--help' as its folder
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), '--help'], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=120)
+                            cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.startswith('usage:'), result.stderr[-1000:]
 
 

@@ -82,15 +82,19 @@ def test_rho_from_the_batch():
     assert values[2.5] - values[0.0] == pytest.approx(2 * 2.5 * tau, rel=1e-9)
 
 
+@pytest.mark.parametrize('distill_weight', [0.0, 0.5])
 @pytest.mark.parametrize('name', ['drrho', 'fastclip'])
-def test_adam_temperature_gradient_is_the_papers(name):
+def test_adam_temperature_gradient_is_the_papers(name, distill_weight):
     """Appendix C.3 with γ = 1: the Adam's first moment after one step is G = ∂L/∂log τ = τ ∂L/∂τ of
     L = mean_i [τ log(ε + g_i) + τ log(ε + g'_i)] + 2ρτ, by autograd of the formula; its first step moves log τ
-    by lr·G/(|G| + eps), and the next call uses the new τ."""
+    by lr·G/(|G| + eps), and the next call uses the new τ. With KD (λ > 0) the same G: the loss's Adam learns τ from
+    the DRO objective alone, as the paper's τ is; KD, whose student scale is 1/τ, reaches τ only where the model's
+    logit_scale learns it (--temperature-optimizer model)."""
     n, eps, rho, lr, tau0 = 7, 1e-3, 0.7, 0.02, 0.05
     g = torch.Generator().manual_seed(5)
+    kd = dict(distill_weight=distill_weight, reference_logit_scale=5.0) if distill_weight else {}
     loss = create_loss(name, num_samples=n, gamma=1.0, epsilon=eps, rho=rho, temperature=tau0, lr_tau=lr,
-                       learn_temperature=True).double()
+                       learn_temperature=True, **kd).double()
     use_ref = name == 'drrho'
     log_tau = math.log(tau0)
     for step in range(3):

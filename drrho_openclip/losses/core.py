@@ -64,7 +64,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     'distill_loss': λ τ KD} with KD the MobileCLIP distillation term (`distill.py`) at the student's logit scale 1/τ
     and the teacher's `teacher_logit_scale` (a number, or 'auto': calibrated on the first batch);
     the factor τ (detached) puts KD in the units of the τ-scaled DRO loss, as CLIP's cross-entropy is in KD's;
-    `distill_rows` > 0 computes it that many anchors at a time (with the tiled aggregation: its tile size).
+    `distill_rows` > 0 computes it that many anchors at a time (with the tiled aggregation: its tile size). A τ the
+    loss's own Adam learns steps on the DRO objective alone (App. C.3); KD's gradient reaches a τ learned as the
+    model's logit_scale.
 
     A temperature source may learn outside the model's optimiser (per-sample τ): it then has a method
     `step(objective)`, called once per optimiser step with the per-anchor objective (whose τ-gradient it uses).
