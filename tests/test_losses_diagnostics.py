@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drrho_openclip.losses import create_loss
+from drrho_openclip.losses import create_loss, get_loss_spec
 
 N = 9
 F64 = dict(dtype=torch.float64)
@@ -46,29 +46,36 @@ def gaussian(mu, sigma):
     return lambda s: -0.5 * ((s - mu) / sigma) ** 2
 
 
+# drrho's default weight α of the reference's shift (from its registration: the documented default, not the loss's
+# attribute); adnce has no reference_weight option, so its shift is the full one
+DRRHO_ALPHA = get_loss_spec('drrho').defaults['reference_weight']
+
+# case: (loss, options, τ, the negatives' log-weight, α of the shift or None where the case does not shift). Whether
+# a case shifts is its own definition here, not the loss's flag: a --reference-shift that the loss ignored would
+# otherwise be expected to be ignored
 CASES = {
-    'drrho': ('drrho', dict(temperature=0.05, gamma=0.5), 0.05, None),
-    'drrho-tiled': ('drrho', dict(temperature=0.05, gamma=0.5, tile_size=4), 0.05, None),
-    'sogclr': ('sogclr', dict(temperature=0.1), 0.1, None),
+    'drrho': ('drrho', dict(temperature=0.05, gamma=0.5), 0.05, None, DRRHO_ALPHA),
+    'drrho-tiled': ('drrho', dict(temperature=0.05, gamma=0.5, tile_size=4), 0.05, None, DRRHO_ALPHA),
+    'sogclr': ('sogclr', dict(temperature=0.1), 0.1, None, None),
     'adnce-shifted-tiled': ('adnce', dict(temperature=0.2, adnce_mu=0.3, adnce_sigma=0.4, reference_shift=True,
-                                          tile_size=2), 0.2, gaussian(0.3, 0.4)),
+                                          tile_size=2), 0.2, gaussian(0.3, 0.4), 1.0),
     # its τ table is float32: the first call's τ is 0.07 rounded to float32
-    'isogclr': ('isogclr', dict(temperature=0.07, tau_min=0.01), torch.tensor(0.07).item(), None),
+    'isogclr': ('isogclr', dict(temperature=0.07, tau_min=0.01), torch.tensor(0.07).item(), None, None),
 }
 
 
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_diagnostics_match_their_definitions(case):
-    name, options, tau, log_weight = CASES[case]
+    name, options, tau, log_weight, alpha = CASES[case]
     loss = create_loss(name, num_samples=N, **options).double()
     loss.set_total_steps(1)
     image, text, ref_image, ref_text = features(1)
     image.requires_grad_(), text.requires_grad_()
     loss(image, text, index=torch.arange(N), ref_image_features=ref_image, ref_text_features=ref_text)
     metrics = loss.metrics()
-    shifted = loss.use_reference
+    shifted = alpha is not None
     sim = image.detach() @ text.detach().T
-    ref_sim = loss.reference_weight * ref_image @ ref_text.T if shifted else None  # the shift's, α-weighted
+    ref_sim = alpha * ref_image @ ref_text.T if shifted else None  # the shift's, α-weighted
     want = torch.cat([effective_negatives(sim, ref_sim, tau, log_weight),
                       effective_negatives(sim.T, None if ref_sim is None else ref_sim.T, tau, log_weight)]).mean()
     assert 1 <= metrics['effective_negatives'] <= N - 1

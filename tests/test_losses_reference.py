@@ -58,6 +58,12 @@ def moving_average(table, index, g, gamma):
     return table[index]
 
 
+def cosine_gamma(epoch, gamma_min, decay_epochs):
+    """FastCLIP's cosine schedule of SogCLR's inner learning rate: γ_e = γ_min + (1 − γ_min)·½(1 + cos(π·min(e/E, 1))),
+    so 1 in epoch 0 (u starts at the mini-batch estimate), γ_min from epoch E on."""
+    return gamma_min + (1 - gamma_min) * 0.5 * (1 + math.cos(math.pi * min(epoch / decay_epochs, 1.0)))
+
+
 def pair_weights(ell, tau, u, eps):
     """w_ij = exp(ℓ̂_ij/τ_i) / (ε + u_i), 0 on the positive (detached: Eq. 11's coefficients)."""
     tau = torch.as_tensor(tau, **F64).reshape(-1, 1)
@@ -81,20 +87,24 @@ def assert_close(got, want, **tol):
 # DRRho-CLIP / SogCLR (seed 001, Eq. 10–11, Algorithm 1) and the learnable τ of Appendix C.3
 
 
+@pytest.mark.parametrize('decay_epochs', [1, 3])
 @pytest.mark.parametrize('name', ['drrho', 'sogclr'])
-def test_sogclr_estimator_over_steps(name):
+def test_sogclr_estimator_over_steps(name, decay_epochs):
     """u over several steps with γ < 1 (epoch 0 has γ = 1), the value τ·log(ε + u) per anchor and direction,
-    and the gradient E_i Σ_j w_ij ∇ℓ̂_ij / (n−1) over both directions (= Eq. 11's τ/(ε+u_i) ∇ E_j exp(ℓ̂_ij/τ))."""
+    and the gradient E_i Σ_j w_ij ∇ℓ̂_ij / (n−1) over both directions (= Eq. 11's τ/(ε+u_i) ∇ E_j exp(ℓ̂_ij/τ)).
+    With 3 decay epochs, γ on its cosine from 1 to γ_min in epochs 1 and 2 (the defaults decay over 16 or 18: a γ
+    that jumped to γ_min, or decayed on another schedule, would weigh the revisits' old u wrongly)."""
     num_samples, n, tau, eps, gamma = 14, 5, 0.05, 1e-3, 0.6
     fixed = dict(learn_temperature=False) if name == 'drrho' else {}  # drrho learns its τ unless told not to
-    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma, gamma_decay_epochs=1,
-                       **fixed)
+    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma,
+                       gamma_decay_epochs=decay_epochs, **fixed)
     u_image = torch.full((num_samples,), float('nan'), **F64)
     u_text = u_image.clone()
     g = torch.Generator().manual_seed(1)
-    # revisits, and first visits after epoch 0 (10, 11, 12: u takes g despite γ < 1); 13 is never seen
+    # revisits, and first visits after epoch 0 (10, 11, 12: u takes g despite γ < 1); 13 is never seen; epochs 3
+    # and 4 are past a 3-epoch decay (γ = γ_min)
     schedule = [(0, [0, 1, 2, 3, 4]), (0, [5, 6, 7, 8, 9]), (1, [2, 3, 4, 10, 11]), (1, [7, 1, 0, 6, 5]),
-                (2, [8, 9, 10, 3, 12])]
+                (2, [8, 9, 10, 3, 12]), (2, [0, 2, 4, 6, 11]), (3, [1, 3, 5, 7, 9]), (4, [12, 10, 8, 2, 0])]
     for epoch, index in schedule:
         loss.set_epoch(epoch)
         index = torch.tensor(index)
@@ -105,7 +115,7 @@ def test_sogclr_estimator_over_steps(name):
         use_ref = name == 'drrho'
         ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
         ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
-        step_gamma = 1.0 if epoch == 0 else gamma
+        step_gamma = cosine_gamma(epoch, gamma, decay_epochs)
         u1 = moving_average(u_image, index, inner_mean(ell_image, tau).detach(), step_gamma)
         u2 = moving_average(u_text, index, inner_mean(ell_text, tau).detach(), step_gamma)
         value = (tau * torch.log(eps + u1) + tau * torch.log(eps + u2)).mean()
@@ -370,31 +380,45 @@ def test_isogclr_tables_over_steps():
 # ADNCE (adnce.md §1.10, §5)
 
 
-def adnce_reference(image, text, tau, mu, sigma):
+def adnce_reference(image, text, tau, mu, sigma, ref_image=None, ref_text=None):
     """CLIP-ADNCE, the recommended variant: per anchor −s_ii/τ + log(e^{s_ii/τ} + Σ_{j≠i} w̄_ij e^{s_ij/τ}) with
-    w̄ the detached Gaussian weights of the cosine, mean 1 over the anchor's negatives; ½ of both directions."""
+    w̄ the detached Gaussian weights of the cosine, mean 1 over the anchor's negatives; ½ of both directions.
+    With reference features (--reference-shift, α = 1) the logits are the shifted similarities s_ij − s^ref_ij, so
+    that every term is e^{ℓ̂_ij/τ} relative to the positive's, while w̄ stays the Gaussian of the raw cosine s_ij (the
+    hardness ADNCE re-weights by is the learner's own, adnce.py)."""
     n = len(image)
     S = image @ text.T
+    R = ref_image @ ref_text.T if ref_image is not None else torch.zeros_like(S)
     off = off_diagonal(n)
     total = 0
-    for sim in (S, S.T):
+    for sim, ref in ((S, R), (S.T, R.T)):
         w = torch.exp(-(sim.detach() - mu) ** 2 / (2 * sigma ** 2)) * off
         w_bar = (n - 1) * w / w.sum(1, keepdim=True)
-        pos = sim.diagonal()
-        total = total + (-pos / tau + torch.log(torch.exp(pos / tau) + (w_bar * torch.exp(sim / tau)).sum(1))).mean()
+        logits = sim - ref
+        pos = logits.diagonal()
+        total = total + (-pos / tau + torch.log(torch.exp(pos / tau) + (w_bar * torch.exp(logits / tau)).sum(1))).mean()
     return total / 2
 
 
+@pytest.mark.parametrize('with_ref', [False, True])
 @pytest.mark.parametrize('sigma', [0.2, 1.0, 1e6])
-def test_adnce(sigma):
-    """Through the core, with ε = 1/(n−1) standing for the positive: 2τ (L_ADNCE − log(n−1)); σ → ∞ is CLIP."""
+def test_adnce(sigma, with_ref):
+    """Through the core, with ε = 1/(n−1) standing for the positive: 2τ (L_ADNCE − log(n−1)); σ → ∞ is CLIP.
+    With --reference-shift (ADNCE has no reference_weight option: α = 1), the same over ℓ̂_ij; the reference
+    features are passed either way, and without the shift must not be read."""
     n, tau, mu = 7, 0.1, 0.3
     g = torch.Generator().manual_seed(6)
-    image, text, _, _ = batch(g, n)
-    out = create_loss('adnce', temperature=tau, adnce_mu=mu, adnce_sigma=sigma)(image, text, output_dict=True)
-    want = 2 * tau * (adnce_reference(image, text, tau, mu, sigma) - math.log(n - 1))
+    image, text, ref_image, ref_text = batch(g, n)
+    loss = create_loss('adnce', temperature=tau, adnce_mu=mu, adnce_sigma=sigma, reference_shift=with_ref)
+    out = loss(image, text, ref_image_features=ref_image, ref_text_features=ref_text, output_dict=True)
+    refs = (ref_image, ref_text) if with_ref else ()
+    want = 2 * tau * (adnce_reference(image, text, tau, mu, sigma, *refs) - math.log(n - 1))
     assert_close(out['contrastive_loss'], want)
     assert_close(grads(out['contrastive_loss'], (image, text)), grads(want, (image, text)))
+    if with_ref:  # the shift matters at these features
+        unshifted = 2 * tau * (adnce_reference(image, text, tau, mu, sigma) - math.log(n - 1))
+        assert abs(want.item() - unshifted.item()) > 1e-4
+        return
     if sigma == 1e6:
         assert_close(want, 2 * tau * (clip_reference(image, text, 1 / tau) - math.log(n - 1)), rtol=1e-9, atol=1e-9)
     else:  # the weights matter
@@ -416,12 +440,16 @@ def tempnet_reference(net, e):
     return net.tau_min + (net.tau_max - net.tau_min) * torch.sigmoid(z)
 
 
-def test_tempnet_over_steps():
+@pytest.mark.parametrize('shift', [False, True])
+def test_tempnet_over_steps(shift):
     """The backbone gets L_clip = Σ_dir mean_i Σ_j sg(W_ij) ℓ̂_ij/(n−1); TempNet gets L_temp = Σ_dir mean_i sg(G_i) τ_i
-    with G_i = log(ε+u_i) + ρ − Σ_j W_ij ℓ̂_ij/τ_i/(n−1) (tempnet.md §3.1, in the core's ε convention)."""
+    with G_i = log(ε+u_i) + ρ − Σ_j W_ij ℓ̂_ij/τ_i/(n−1) (tempnet.md §3.1, in the core's ε convention). With
+    --reference-shift, ℓ̂_ij = (s_ij − s_ii) − (s^ref_ij − s^ref_ii): tempnet has no reference_weight option, so its
+    shift is the paper's full one (α = 1), in the pair weights, u and TempNet's G alike."""
     num_samples, n, d, eps, gamma, rho = 9, 6, 6, 1e-6, 0.8, 2.0
     loss = create_loss('tempnet', num_samples=num_samples, embed_dim=d, epsilon=eps, gamma=gamma, rho=rho,
-                       tempnet_width=8, tempnet_prototypes=5, tau_min=0.02, tau_max=0.2).double()
+                       tempnet_width=8, tempnet_prototypes=5, tau_min=0.02, tau_max=0.2,
+                       reference_shift=shift).double()
     without_dropout(loss)
     nets = loss.temperature
     params = list(nets.parameters())
@@ -430,13 +458,16 @@ def test_tempnet_over_steps():
     for epoch in (0, 1, 1):
         loss.set_epoch(epoch)
         index = torch.randperm(num_samples, generator=g)[:n]
-        image, text, _, _ = batch(g, n, d)
-        out = loss(image, text, index=index, output_dict=True)['contrastive_loss']
+        image, text, ref_image, ref_text = batch(g, n, d)
+        # the reference features are passed either way: without the shift the loss must not read them
+        out = loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
+                   output_dict=True)['contrastive_loss']
 
         step_gamma = 1.0 if epoch == 0 else gamma
+        refs = ((ref_image, ref_text), (ref_text, ref_image)) if shift else ((), ())
         value, l_clip, l_temp = 0, 0, 0
-        for side, net, anchors, ell in (('image', nets.image, image, shifted_loss(image, text)),
-                                        ('text', nets.text, text, shifted_loss(text, image))):
+        for side, net, anchors, ell in (('image', nets.image, image, shifted_loss(image, text, *refs[0], alpha=1.0)),
+                                        ('text', nets.text, text, shifted_loss(text, image, *refs[1], alpha=1.0))):
             tau = tempnet_reference(net, anchors.detach())
             u = moving_average(u_tables[side], index, inner_mean(ell, tau).detach(), step_gamma)
             W = pair_weights(ell, tau.detach(), u, eps)
