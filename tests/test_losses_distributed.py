@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from conftest import on_gloo_ranks, without_dropout
 from drrho_openclip.losses import create_loss, get_loss_spec
+from drrho_openclip.losses.distill import TEACHER_SCALE_RANGE, calibrated_logit_scale
 
 WORLD, B = 2, 6  # per-rank batch
 NUM_SAMPLES = 20
@@ -42,17 +43,25 @@ SCENARIOS = {
     # the reference's scale given, as test_jest_selection_is_global's float64 reference takes it
     'jest': ('jest', dict(selection_ratio=0.5, num_chunks=3, reference_logit_scale=100.0), (0,)),
     'jest-topk': ('jest-topk', dict(selection_ratio=0.5, num_chunks=2, reference_logit_scale=100.0), (0,)),
+    # the reference's scale calibrated on the gathered first batch ('auto'), then kept: its reference tells the pairs
+    # apart (PAIRED_REFERENCE), so the scale lies inside its range and one rank's half would calibrate another
     'jest-auto': ('jest', dict(selection_ratio=0.5, num_chunks=2), (0, 0)),
 }
+# Scenarios whose reference text features are their reference images' plus noise: a calibrated teacher scale of 15.8
+# on the whole of step 0's batch, 100 and 16.3 on the ranks' halves. Elsewhere the reference's pairs are independent
+# draws, no better than chance: the scale sits at its lower bound 1 whatever rows it is calibrated on.
+PAIRED_REFERENCE = {'jest-auto'}
 
 
-def full_batch(step):
+def full_batch(step, scenario=None):
     g = torch.Generator().manual_seed(step)
     n = WORLD * B
     image, text = (F.normalize(torch.randn(n, 5, generator=g, dtype=torch.float64), dim=1) for _ in range(2))
     ref_image = F.normalize(image[:, :4] + 0.5 * torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
     ref_text = F.normalize(text[:, :4] + 0.5 * torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
     index = torch.randperm(NUM_SAMPLES, generator=g)[:n]
+    if scenario in PAIRED_REFERENCE:  # drawn last: the other scenarios' batches stay as they were
+        ref_text = F.normalize(ref_image + 0.3 * torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
     return image, text, ref_image, ref_text, index
 
 
@@ -72,7 +81,7 @@ def run(scenario, rank, world_size):
     for step, epoch in enumerate(epochs):
         if hasattr(loss, 'set_epoch'):
             loss.set_epoch(epoch)
-        image, text, ref_image, ref_text, index = full_batch(step)
+        image, text, ref_image, ref_text, index = full_batch(step, scenario)
         image, text = image[rows].clone().requires_grad_(), text[rows].clone().requires_grad_()
         logit_scale = torch.tensor(15.0, dtype=torch.float64, requires_grad=True)
         out = loss(image, text, logit_scale, index=index[rows], ref_image_features=ref_image[rows],
@@ -116,26 +125,50 @@ def test_two_ranks_equal_one(distributed, scenario):
             torch.testing.assert_close(state[key], value, equal_nan=True, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize('scenario', ['jest', 'jest-topk'])
+@pytest.mark.parametrize('scenario', ['jest', 'jest-topk', 'jest-auto'])
 def test_jest_selection_is_global(distributed, scenario):
     from test_losses_reference import clip_reference, jest_reference
-    name, options, _ = SCENARIOS[scenario]
-    image, text, ref_image, ref_text, _ = full_batch(0)
-    ranks = [tuple(x[r * B:(r + 1) * B] for x in (image, text, ref_image, ref_text)) for r in range(WORLD)]
-    # each rank's noise: its loss's first draws (keyed by rank, so the ranks' differ)
-    noises = [lambda chunk, r=r: create_loss(name, rank=r, world_size=WORLD, **options)._gumbel(
-        torch.zeros(B, dtype=torch.float64), chunk) for r in range(WORLD)]
-    selected = jest_reference(ranks, 15.0, 100.0, options['selection_ratio'], options['num_chunks'],
-                              name == 'jest-topk', noises)
-    rows = torch.tensor([r * B + i for r in range(WORLD) for i in selected[r]])
-    image, text = image.requires_grad_(), text.requires_grad_()
-    logit_scale = torch.tensor(15.0, dtype=torch.float64, requires_grad=True)
-    want = clip_reference(image[rows], text[rows], logit_scale)
-    want_grads = torch.autograd.grad(want, [image, text, logit_scale])
+    name, options, epochs = SCENARIOS[scenario]
+    teacher = options.get('reference_logit_scale', 'auto')
+    if teacher == 'auto':  # the one process's: calibrated on the whole first batch, kept for the second
+        teacher = calibrated_logit_scale(*full_batch(0, scenario)[2:4]).item()
+    for step in range(len(epochs)):
+        image, text, ref_image, ref_text, _ = full_batch(step, scenario)
+        ranks = [tuple(x[r * B:(r + 1) * B] for x in (image, text, ref_image, ref_text)) for r in range(WORLD)]
+        # each rank's noise: its loss's draws at this step (keyed by rank and by the selections before: they differ)
+        noises = [jest_noise(name, options, r, step) for r in range(WORLD)]
+        selected = jest_reference(ranks, 15.0, teacher, options['selection_ratio'], options['num_chunks'],
+                                  name == 'jest-topk', noises)
+        rows = torch.tensor([r * B + i for r in range(WORLD) for i in selected[r]])
+        image, text = image.requires_grad_(), text.requires_grad_()
+        logit_scale = torch.tensor(15.0, dtype=torch.float64, requires_grad=True)
+        want = clip_reference(image[rows], text[rows], logit_scale)
+        want_grads = torch.autograd.grad(want, [image, text, logit_scale])
+        for rank, results in enumerate(distributed):
+            value, g_image, g_text, g_scale = results[scenario][0][step]
+            local = slice(rank * B, (rank + 1) * B)
+            torch.testing.assert_close(value, want.detach(), rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(g_image, WORLD * want_grads[0][local], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(g_text, WORLD * want_grads[1][local], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(g_scale, want_grads[2], rtol=1e-9, atol=1e-12)
+
+
+def jest_noise(name, options, rank, step):
+    """The Gumbel draws of `rank`'s loss at its `step`-th selection, by chunk."""
+    loss = create_loss(name, rank=rank, world_size=WORLD, **options)
+    loss.selections.fill_(step)
+    return lambda chunk: loss._gumbel(torch.zeros(B, dtype=torch.float64), chunk)
+
+
+def test_jest_auto_teacher_scale_is_the_whole_batch_s_on_every_rank(distributed):
+    """'auto' calibrates the teacher's scale on the gathered first batch: every rank keeps the one process's value.
+    The selection alone may not show a rank that calibrated on its own rows (a few points of learnability can leave
+    it unchanged): the kept value is compared directly."""
+    _, single_state = run('jest-auto', 0, 1)
+    want = single_state['reference_logit_scale.value']
+    torch.testing.assert_close(want, calibrated_logit_scale(*full_batch(0, 'jest-auto')[2:4]), rtol=1e-12, atol=0)
+    low, high = TEACHER_SCALE_RANGE
+    assert 1.5 * low < want < high / 1.5, want  # inside its range, where the rows it is calibrated on matter
     for rank, results in enumerate(distributed):
-        (value, g_image, g_text, g_scale), = results[scenario][0]
-        local = slice(rank * B, (rank + 1) * B)
-        torch.testing.assert_close(value, want.detach(), rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(g_image, WORLD * want_grads[0][local], rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(g_text, WORLD * want_grads[1][local], rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(g_scale, want_grads[2], rtol=1e-9, atol=1e-12)
+        got = results['jest-auto'][1]['reference_logit_scale.value']
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=lambda m: f'rank {rank}: {m}')
