@@ -222,6 +222,20 @@ def test_tempnet_attaches_to_the_model():
 ACCUM_CASES = ['clip', 'clip+kd', 'drrho', 'drrho+kd', 'fastclip', 'isogclr', 'tempnet', 'adnce', 'balanced', 'jest']
 
 
+def test_a_window_whose_samples_change_between_calls_is_refused():
+    """A later call of an accumulation window reads the u its first call wrote: other samples there are a loop's
+    mistake (exact on the CPU; on an accelerator a device-side assertion, which does not wait for the device)."""
+    loss = build('drrho', num_samples=16)
+    image, text, ref_image, ref_text = make_batch(2, 6)
+    index = torch.arange(6)
+    call(loss, image, text, torch.tensor(20.0), index, ref_image, ref_text, accum_step=0)
+    call(loss, image, text, torch.tensor(20.0), index.clone(), ref_image, ref_text, accum_step=1)  # same samples
+    for other in (index.flip(0), torch.arange(5)):
+        with pytest.raises(RuntimeError, match='the samples of a gradient-accumulation window changed'):
+            call(loss, image[:len(other)], text[:len(other)], torch.tensor(20.0), other, ref_image[:len(other)],
+                 ref_text[:len(other)], accum_step=1)
+
+
 @pytest.mark.parametrize('case', ACCUM_CASES)
 def test_accumulation_equals_one_call(case):
     """accum_freq = 2: state and per-sample τ move once per window, the chunks' feature gradients add up to the

@@ -28,7 +28,7 @@ from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import TeacherLogitScale, distillation_loss
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
-from .state import MovingAverageState, SampleSharding, per_sample_tables
+from .state import MovingAverageState, SampleSharding, check_same_window, per_sample_tables
 from .temperatures import rho_for_batch
 from .tiled import negative_weight_entropy
 
@@ -173,8 +173,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             raise ValueError("this loss keeps per-sample state and needs the batch's sample `index`")
         if accum_step:  # the same window again, with gradients through another chunk: u was updated at step 0
             window_index, log_u = self._window
-            if not torch.equal(window_index, index):
-                raise RuntimeError("gradient-accumulation window changed between accumulation steps")
+            check_same_window(window_index, index)
             return log_u
         log_u = self.state.update(index, log_g_image.detach(), log_g_text.detach())
         self._window = (index, log_u) if accum_step is not None else None

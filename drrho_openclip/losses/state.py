@@ -44,6 +44,20 @@ def check_index(index: torch.Tensor, num_rows: int):
         torch._assert_async(((index >= 0) & (index < num_rows)).all(), message)
 
 
+def check_same_window(window_index: torch.Tensor, index: torch.Tensor):
+    """A later call of a gradient-accumulation window carries the samples of its first (u was updated there). Exact
+    on the CPU; on an accelerator a device-side assertion, as `check_index`'s: an exact check would wait for the
+    device at every call of the window."""
+    message = "the samples of a gradient-accumulation window changed between its calls (accum_step > 0)"
+    if window_index.shape != index.shape:
+        raise RuntimeError(f"{message}: {window_index.numel()} then {index.numel()}")
+    if index.device.type == 'cpu':
+        if not torch.equal(window_index, index):
+            raise RuntimeError(message)
+    else:
+        torch._assert_async(torch.eq(window_index, index).all(), message)
+
+
 def resolve_state_layout(layout: str, num_samples: int, world_size: int) -> str:
     """'replicated' or 'sharded' for a layout option ('auto' decides from the size of the tables)."""
     if layout not in STATE_LAYOUTS:
