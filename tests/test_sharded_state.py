@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import SGD, loss_tensors, on_gloo_ranks, run_openclip, train_args
 from drrho_openclip.losses import create_loss
@@ -185,34 +186,56 @@ def test_incomplete_or_foreign_shard_sets_are_named(ranks, tmp_path):
         load_state_shards(one, ranks['dir'] / 'drrho.loss_state', ranks[2][0]['drrho', 'manifest'])
 
 
+class _HostReadsAndWrites(TorchDispatchMode):
+    """What a state write does: the index writes (the rows and values of each), and every op that reads a value back
+    to the host (`.item()`, `nonzero`, a mask's selection: the count of its rows), which waits for the device."""
+    WAITS = (torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense, torch.ops.aten.masked_select,
+             torch.ops.aten.is_nonzero, torch.ops.aten.equal)
+
+    def __init__(self):
+        super().__init__()
+        self.writes, self.waits = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        indexing = func.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_put_, torch.ops.aten.index_put)
+        if func.overloadpacket in self.WAITS or indexing and any(i is not None and i.dtype == torch.bool
+                                                                  for i in args[1]):
+            self.waits.append(str(func))
+        if func.overloadpacket in (torch.ops.aten.index_put_, torch.ops.aten.index_put):
+            self.writes.append((args[1][0].clone(), args[2].clone()))
+        return func(*args, **(kwargs or {}))
+
+
+def write_twice(rank, world_size, layout):
+    """Rank r's writes of two global batches of a 10-row table: one where samples 3 and 7 come twice (7 on both
+    ranks), one in which rank 1 owns no row of the sharded layout (rows 0-4 on rank 0, 5-9 on rank 1)."""
+    from drrho_openclip.losses import state
+    state.check_index = lambda index, rows: None  # exact on the CPU, by design (a device-side assertion elsewhere)
+    sharding = state.SampleSharding(10, rank, world_size, layout)
+    table = torch.full((sharding.size if sharding.sharded else 10,), -1.0)
+    batches = [([3, 7, 3], [1, 7, 8]), ([0, 1], [2, 3])]
+    values = [([0.1, 0.2, 0.3], [0.4, 0.5, 0.6]), ([0.7, 0.8], [0.9, 1.0])]
+    with _HostReadsAndWrites() as seen:
+        for index, value in zip(batches, values):
+            sharding.write([table], torch.tensor(index[rank]), [torch.tensor(value[rank])])
+    return dict(table=table, writes=seen.writes, waits=seen.waits, start=sharding.start if sharding.sharded else 0)
+
+
 @pytest.mark.parametrize('layout', ['replicated', 'sharded'])
-def test_a_sample_twice_in_a_batch_writes_one_value(layout):
+def test_a_sample_twice_in_a_batch_writes_one_value_without_waiting_for_the_device(layout, tmp_path):
     """--dataset-resampled can put a sample twice in a global batch. CUDA writes repeated indices in an undefined
-    order (each rank's replicated table could keep another value); every write of a repeated index now carries the
-    value of its last occurrence, which the CPU's last write kept."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from drrho_openclip.losses.state import SampleSharding
-
-    class Writes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.index_put_, torch.ops.aten.index_put):
-                self.seen.append((args[1][0].clone(), args[2].clone()))
-            return func(*args, **(kwargs or {}))
-
-    sharding = SampleSharding(10, layout=layout)
-    table = torch.full((10,), -1.0)
-    index = torch.tensor([3, 7, 3, 1, 7, 3])
-    with Writes() as writes:
-        sharding.write([table], index, [torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])])
-    assert writes.seen
-    for written, values in writes.seen:
-        for i in written.unique():
-            assert len(values[written == i].unique()) == 1, (written, values)
-    assert table.tolist() == torch.tensor([-1, 0.4, -1, 0.6, -1, -1, -1, 0.5, -1, -1]).tolist()
+    order (each rank's replicated table could keep another value): every write of a row now carries one value, its
+    last occurrence's, which the CPU's last write kept. And a sharded write selected its owned rows with a mask,
+    whose count waited for the device at every step: no write reads anything back to the host."""
+    want = torch.tensor([0.7, 0.8, 0.9, 1.0, -1, -1, -1, 0.5, 0.6, -1])
+    for result in on_gloo_ranks(functools.partial(write_twice, layout=layout), 2, tmp_path):
+        assert not result['waits'], result['waits']
+        assert result['writes']
+        for rows, written in result['writes']:
+            for row in rows.unique():
+                assert len(written[rows == row].unique()) == 1, (rows, written)
+        start = result['start']
+        assert result['table'].tolist() == want[start:start + len(result['table'])].tolist()
 
 
 def test_layout_option():

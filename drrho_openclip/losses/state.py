@@ -188,11 +188,18 @@ class SampleSharding:
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in tables])
         packed = gather_batch(torch.stack([r.to(dtype) for r in rows], dim=1), self.world_size, with_grad=False,
                               device=device)
+        if not self.size:  # a rank with no rows (fewer samples than ranks)
+            return
         packed = self._as_last_occurrence(all_index, packed)
         owned, local = self._owned(all_index)
-        local, packed = local[owned], packed[owned]
+        # Without selecting the owned rows, whose count would wait for the device: every entry writes, the others to
+        # the row of the batch's first owned entry with that entry's value, or, where this rank owns none, a row's
+        # own value back. Each row then receives one value, whatever order the writes land in.
+        first = owned.int().argmax().view(1)  # 0 where none is owned; [1], as an index tensor (a 0-d one is an int)
+        target = torch.where(owned, local, local[first])
         for k, table in enumerate(tables):
-            table[local] = packed[:, k].to(table.dtype)
+            other = torch.where(owned[first], packed[first, k].to(table.dtype), table[local[first]])
+            table[target] = torch.where(owned, packed[:, k].to(table.dtype), other)
 
 
 def per_sample_tables(module: nn.Module) -> dict:
