@@ -52,6 +52,9 @@ TARGET_NEGATIVES = DRRHO_DEFAULTS['target_negatives']
 # 0.0035-0.022 on the evidence's references at the default α, and the starts from 0.0035 to 0.035 lost to the
 # 0.07 start in all 14 cells measured, and to --loss clip in 13 (docs/defaults.md, "Temperature").
 SUGGESTED_TEMPERATURE = DRRHO_DEFAULTS['temperature']
+# Below this spread of the margins, a reference's features are taken as all alike (float32 features: their
+# products differ in the 7th digit)
+FLAT_MARGIN_STD = 1e-5
 # The full shift (α = 1) beat the default α on the mean in all 13 evidence settings where a `clip` target's recall
 # stayed below this fraction of the reference's (in one, by seed, only 1 of 3), and lost in all 16 where it reached it
 # (docs/defaults.md, "When to use the paper's full shift"), all of them small runs: the paper's own at 10^8-10^9
@@ -175,11 +178,6 @@ def check(store_dir, batch_size: int, temperature: float = None, samples: int = 
         teacher_logit_scale=calibrated_logit_scale(*drawn[0]).item(), clip_recall=clip_recall)
     report.verdict = verdict(report)
     return report
-
-
-# Below this spread of the margins, a reference's features are taken as all alike (float32 features: their
-# products differ in the 7th digit)
-FLAT_MARGIN_STD = 1e-5
 
 
 def verdict(r: ReferenceReport) -> List[str]:
