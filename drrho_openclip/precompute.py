@@ -240,6 +240,11 @@ def _fetch(parts, device) -> Tuple[np.ndarray, np.ndarray]:
     return torch.cat([p[1] for p in parts]).numpy(), torch.cat([p[2] for p in parts]).numpy()
 
 
+def _reference_flags(args) -> str:
+    """The reference model as the command line names it, for messages."""
+    return f"--model {args.model}" + (f" --pretrained {args.pretrained}" if args.pretrained else '')
+
+
 def _load_encoder(args):
     """(model, preprocess, tokenizer) of the reference; a model that cannot be loaded stops precompute naming it."""
     from .openclip.evaluation import tokenizer_of
@@ -247,9 +252,8 @@ def _load_encoder(args):
         model, preprocess = create_model(args.model, args.pretrained, args.device)
         return model, preprocess, tokenizer_of(args.model)
     except (RuntimeError, ValueError, OSError) as e:
-        raise SystemExit(f"cannot load the reference model --model {args.model}"
-                         + (f" --pretrained {args.pretrained}" if args.pretrained else '')
-                         + f" on --device {args.device}: {e}") from None
+        raise SystemExit(f"cannot load the reference model {_reference_flags(args)} on --device {args.device}: "
+                         f"{e}") from None
 
 
 def _compute(args, shards, writer, encoder):
@@ -282,9 +286,8 @@ def _compute(args, shards, writer, encoder):
         try:  # a reference with a NaN in its weights (or a zero feature) is found at its first shard, not at verify
             check_rows(name, keys, image, text, normalize_hint='the encoders normalise theirs', rows_are_index=csv)
         except FeatureStoreError as e:
-            raise SystemExit(f"the reference --model {args.model}"
-                             + (f" --pretrained {args.pretrained}" if args.pretrained else '')
-                             + f" gives features that cannot be stored: {e}; nothing of the shard was written")
+            raise SystemExit(f"the reference {_reference_flags(args)} gives features that cannot be stored: {e}; "
+                             f"nothing of the shard was written")
         writer.add_shard(name, keys, image, text, rows_are_index=csv)
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
