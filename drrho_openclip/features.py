@@ -143,9 +143,9 @@ def first_duplicate(keys: Sequence[str]) -> Optional[str]:
 
 
 def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text_features: np.ndarray,
-               normalize_hint: str = 'L2-normalise every row', rows_are_index: bool = False):
-    """Check one shard's rows before they are written, as training will read them: one key per row (unique unless
-    `rows_are_index`, as in `FeatureStoreWriter.add_shard`), image and text features of the same [n, dim] shape,
+               normalize_hint: str = 'L2-normalise every row'):
+    """Check one shard's rows before they are written, as training will read them: one key per row (that keys are
+    unique is `FeatureStoreWriter.add_shard`'s check), image and text features of the same [n, dim] shape,
     every value finite and every row unit-norm (within UNIT_NORM_TOLERANCE; `normalize_hint` says how to make them
     so). Raises a FeatureStoreError naming the shard and the first sample key at fault."""
     keys = [str(k) for k in keys]
@@ -157,9 +157,6 @@ def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text
     if image_features.shape != text_features.shape:
         raise FeatureStoreError(f"shard '{shard}': image features of dimension {image_features.shape[1]}, text "
                                 f"features of dimension {text_features.shape[1]}")
-    duplicate = None if rows_are_index else first_duplicate(keys)
-    if duplicate is not None:
-        raise FeatureStoreError(f"shard '{shard}': sample key '{duplicate}' appears more than once")
     for what, array in (('image', image_features), ('text', text_features)):
         values = array.astype(np.float64)
         finite = np.isfinite(values).all(axis=1)
@@ -458,7 +455,7 @@ class FeatureStoreWriter:
                                                     "a feature store needs image and text features"))
         duplicate = None if rows_are_index else first_duplicate(keys)
         if duplicate is not None:
-            raise ValueError(f"shard '{name}': sample keys are not unique, e.g. '{duplicate}'")
+            raise FeatureStoreError(f"shard '{name}': sample key '{duplicate}' appears more than once")
         arrays = [encode_keys(keys)]
         if dtype is not None:
             if len(keys) != len(image_features) or len(keys) != len(text_features):

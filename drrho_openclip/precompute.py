@@ -269,6 +269,7 @@ def _compute(args, shards, writer, encoder):
                                               batch_size=None, num_workers=args.workers,
                                               pin_memory=_is_cuda(args.device))
     encoded = {}  # shard name -> its (keys, image features, text features) batches so far
+    url_of = dict(shards)
     progress = tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
                     dynamic_ncols=True)
     samples, start = 0, time.perf_counter()
@@ -284,11 +285,11 @@ def _compute(args, shards, writer, encoder):
         keys, (image, text) = [k for p in parts for k in p[0]], _fetch(parts, args.device)
         csv = args.dataset_type == 'csv'
         try:  # a reference with a NaN in its weights (or a zero feature) is found at its first shard, not at verify
-            check_rows(name, keys, image, text, normalize_hint='the encoders normalise theirs', rows_are_index=csv)
+            check_rows(name, keys, image, text, normalize_hint='the encoders normalise theirs')
         except FeatureStoreError as e:
             raise SystemExit(f"the reference {_reference_flags(args)} gives features that cannot be stored: {e}; "
                              f"nothing of the shard was written")
-        writer.add_shard(name, keys, image, text, rows_are_index=csv)
+        _add_shard(writer, url_of[name], name, keys, image, text, rows_are_index=csv)
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
     return samples, time.perf_counter() - start
@@ -296,15 +297,24 @@ def _compute(args, shards, writer, encoder):
 
 def _write_keys(args, shards, writer) -> int:
     """Write the keys of `shards` ([(name, url)]), each shard as soon as it is read; returns the number of samples."""
-    samples = 0
+    samples, url_of = 0, dict(shards)
     keys_of_shards = torch.utils.data.DataLoader(_ShardKeys(shards), batch_size=None, num_workers=args.workers)
     for name, keys in tqdm(keys_of_shards, total=len(shards), unit='shard', desc=f'part {args.part}/{args.num_parts}',
                            dynamic_ncols=True):
         if not keys:
             raise SystemExit(f"shard '{name}' holds no image-text samples")
-        writer.add_shard(name, keys)
+        _add_shard(writer, url_of[name], name, keys)
         samples += len(keys)
     return samples
+
+
+def _add_shard(writer, url, name, keys, *features, rows_are_index=False):
+    """`writer.add_shard`, whose only FeatureStoreError is a key the data file repeats: training finds a tar
+    sample's features by its key, so the data, not the reference, is at fault."""
+    try:
+        writer.add_shard(name, keys, *features, rows_are_index=rows_are_index)
+    except FeatureStoreError as e:
+        raise SystemExit(f"--train-data '{url}': {e}; nothing of the shard was written") from None
 
 
 def _finalize(writer, explicit: bool) -> int:

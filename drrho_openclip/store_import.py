@@ -245,7 +245,7 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
                 raise FeatureStoreError(f"input '{files[0]}', shard '{name}': features of dimension "
                                         f"{image.shape[1]}, the other shards' are of dimension {dim}")
             try:
-                check_rows(name, keys, image, text, rows_are_index=rows_are_index,
+                check_rows(name, keys, image, text,
                            normalize_hint='L2-normalise every row, or import with --normalize')
             except FeatureStoreError as e:
                 raise FeatureStoreError(f"input '{files[0]}', {e}") from None

@@ -242,6 +242,26 @@ def test_a_reference_that_gives_non_finite_features_stops_precompute_at_its_firs
         assert FeatureStoreWriter.resume(tmp_path / dtype).shards == []
 
 
+def test_a_shard_that_repeats_a_sample_key_is_named_as_the_datas_fault(data, tmp_path):
+    """Training finds a tar sample's features by its key, so a key twice in a shard has no one row: precompute stops
+    at that shard (features or keys only), says the data repeats it, and writes nothing of the shard."""
+    source = data['root'] / 'shard-0.tar'
+    repeated = tmp_path / 'shard-0.tar'
+    with tarfile.open(source) as tar, tarfile.open(repeated, 'w') as out:
+        members = tar.getmembers()
+        for member in members + members[:2]:  # the first sample again, at the end: not grouped with its first
+            out.addfile(member, tar.extractfile(member))
+    argv = [str(a) for a in data['args']]
+    argv[argv.index('--train-data') + 1] = str(repeated)
+    for flags in (argv, ['--keys-only', '--train-data', str(repeated)]):
+        output = tmp_path / f'ref-{len(flags)}'
+        with pytest.raises(SystemExit) as stop:
+            precompute.main(flags + ['--output', str(output)])
+        assert str(stop.value) == (f"--train-data '{repeated}': shard 'shard-0': sample key '0/sample-000' appears "
+                                   f"more than once; nothing of the shard was written")
+        assert FeatureStoreWriter.resume(output).shards == []
+
+
 def test_precompute_writes_int8(data, tmp_path, capsys):
     assert precompute.main(data['args'] + ['--output', tmp_path / 'ref', '--dtype', 'int8']) == 0
     int8, one = FeatureStore.open(tmp_path / 'ref'), FeatureStore.open(data['one'])
