@@ -236,6 +236,11 @@ def test_state_round_trips_and_resumes_bit_exactly():
 @pytest.mark.parametrize('name, options, message', [
     ('sogclr', dict(temperature='auto'), 'does not shift by'),
     ('drrho', dict(temperature='auto', temperature_optimizer='model'), 'give the initial τ'),
+    ('drrho', dict(temperature='auto', learn_temperature=False), "learn_temperature is off"),  # not learned anyway
+    ('drrho-paper', dict(temperature='auto'), "learn_temperature is off"),
+    ('drrho', dict(temperature=0.05, lr_tau=0.0, rho=3.0), 'rho has no effect here (lr_tau 0 never steps τ)'),
+    ('drrho', dict(temperature=0.05, lr_tau=0.0, tau_min=0.01), 'tau_min has no effect here'),
+    ('fastclip', dict(lr_tau=0.0, tau_objective='batch'), 'tau_objective has no effect here'),
     ('drrho', dict(temperature=0.01, learn_temperature=False, rho=3.0), 'rho has no effect here'),
     ('drrho', dict(temperature=0.01, learn_temperature=False, lr_tau=0.1), 'lr_tau has no effect here'),
     ('drrho', dict(temperature=0.05, learn_temperature=True, target_negatives=4.0, rho=2.0),
@@ -267,6 +272,8 @@ def test_drrho_learns_tau_from_0_07_and_the_papers_fixed_tau_is_one_switch_away(
     assert type(paper.temperature).__name__ == 'FixedTemperature' and paper.rho == 0.0
     auto = create_loss('drrho', num_samples=4, temperature='auto')
     assert type(auto.temperature).__name__ == 'LearnedTemperature'
+    held = create_loss('drrho', num_samples=4, temperature='auto', lr_tau=0.0, tau_min=0.01)  # chosen, then held
+    assert type(held.temperature).__name__ == 'LearnedTemperature' and held.temperature.lr == 0
     assert type(create_loss('fastclip', num_samples=4).temperature).__name__ == 'LearnedTemperature'
     assert type(create_loss('sogclr', num_samples=4).temperature).__name__ == 'FixedTemperature'
     for name in ('isogclr', 'tempnet'):

@@ -64,7 +64,7 @@ def _distill_inactive(o) -> dict:
 
 
 def _learns_temperature(o) -> bool:
-    return o.temperature == AUTO or o.learn_temperature
+    return o.learn_temperature
 
 
 def _check_auto(o, name, low):
@@ -95,11 +95,14 @@ def _global_temperature(o, use_reference):
     """A DRO loss's global τ: fixed, or learned by the loss's own Adam (from a given τ or an 'auto' one) or through
     the model's logit_scale."""
     _check_auto(o, 'temperature', 1e-300)
-    if not _learns_temperature(o):
-        return FixedTemperature(o.temperature)
     if o.temperature == AUTO and not use_reference:
         raise ValueError(f"temperature '{AUTO}' is chosen from the reference model's margins, which this loss does "
                          f"not shift by: give a number")
+    if not _learns_temperature(o):
+        if o.temperature == AUTO:
+            raise ValueError(f"temperature '{AUTO}' is the start of a learned τ, and learn_temperature is off: learn "
+                             f"it, or give a fixed τ (an 'auto' τ that is never stepped: lr_tau 0)")
+        return FixedTemperature(o.temperature)
     _check_choice(o, 'temperature_optimizer', TEMPERATURE_OPTIMIZERS)
     _check_choice(o, 'tau_objective', TAU_OBJECTIVES)
     if o.temperature_optimizer == 'model':
@@ -130,14 +133,18 @@ def _state_inactive(o) -> dict:
 
 def _global_temperature_inactive(o) -> dict:
     if not _learns_temperature(o):
-        why = ("a fixed τ; learn it with --learn-temperature (or, for a loss that shifts by the reference, "
-               "--temperature auto)")
+        why = "a fixed τ; learn it with --learn-temperature"
         return {**{k: why for k in ('temperature_optimizer', 'tau_objective', 'lr_tau', 'tau_min', 'tau_max', 'rho',
                                     'target_negatives')}, **_state_inactive(o)}
     unread = _state_inactive(o)
     if o.temperature_optimizer == 'model':
         unread.update({k: "τ is the model's logit_scale, learned by OpenCLIP's optimiser"
                        for k in ('tau_objective', 'lr_tau', 'tau_min', 'tau_max')})
+    elif o.lr_tau == 0:  # a τ that is never stepped: what it would step on, and a given start's bounds, go unread
+        never_stepped = "lr_tau 0 never steps τ"
+        unread.update({k: never_stepped for k in ('tau_objective', 'rho')})
+        if o.temperature != AUTO:
+            unread.update({k: never_stepped for k in ('tau_min', 'tau_max', 'target_negatives')})
     elif o.gamma == 1:
         unread['tau_objective'] = "with gamma = 1 the SogCLR estimate is the batch's own objective"
     if o.temperature != AUTO and o.rho != AUTO:

@@ -42,7 +42,8 @@ TAU_OBJECTIVES = ('estimator', 'batch')
 
 OPTION_HELP = dict(
     temperature="τ: fixed, its initial value when learned, or 'auto': chosen from the first batch's reference margins "
-                "(its median anchor spreads its weight over --target-negatives negatives), then learned; it starts "
+                "(its median anchor spreads its weight over --target-negatives negatives), then learned (held with "
+                "--lr-tau 0); it starts "
                 "far below 0.07 and lost to the 0.07 start wherever measured at drrho's default --reference-weight",
     learn_temperature="learn the global τ from --temperature with the KL-constrained DRO objective and ρ",
     temperature_optimizer="what learns a learned global τ: 'loss' (the loss's own Adam on log τ with --lr-tau, "
@@ -66,7 +67,7 @@ OPTION_HELP = dict(
     tau_min="lower bound of the learned τ",
     tau_max="upper bound of the learned τ",
     lr_tau="learning rate of the learned τ's own Adam (global τ: on log τ, which moves by about lr_tau per step; "
-           "'auto': 1/(the run's optimiser steps), so that log τ moves by about 1–2 over the run; "
+           "'auto': 1/(the run's optimiser steps), so that log τ moves by about 1–2 over the run; 0: never steps; "
            "per-sample τ: on τ)",
     tau_beta1="β1 of the per-sample τ's Adam",
     tau_beta2="β2 of the per-sample τ's Adam",
