@@ -2,12 +2,10 @@
 (equivalent to `python -m open_clip_train.main ARGS` where the start-up hook is active)."""
 import sys
 
-from drrho_openclip.openclip import install_import_hook
+from drrho_openclip.openclip import openclip_main
 
 
 def main(argv=None):
-    install_import_hook()
-    from open_clip_train.main import main as openclip_main
     argv = sys.argv[1:] if argv is None else argv
     return openclip_main(argv[1:] if argv[:1] == ['--'] else argv)
 

@@ -1,4 +1,4 @@
-"""Every collective of the losses: all-gather, all-gather with gradient, all-reduce.
+"""Every collective of the losses: all-gather, all-gather with gradient, all-reduce, broadcast of an object.
 
 Each call names the device its process group communicates on (the features' device), and refuses a tensor that
 lives elsewhere: NCCL accepts CUDA tensors only, and a CPU tensor reaching it fails deep inside the backend (a CPU
@@ -58,10 +58,11 @@ def all_reduce(tensor: torch.Tensor, world_size: int, device: torch.device) -> t
     return tensor
 
 
-def broadcast_object(value, world_size: int):
-    """Rank 0's `value` (a picklable object) on every rank."""
+def broadcast_object(value, world_size: int, device: torch.device):
+    """Rank 0's `value` (a picklable object) on every rank. The pickle travels as a tensor on `device`: without one,
+    NCCL would take whatever CUDA device is current, which need not be the loss's."""
     if world_size == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=device)
     return box[0]

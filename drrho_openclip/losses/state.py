@@ -320,7 +320,7 @@ def save_state_shards(loss, directory) -> dict:
     directory = Path(directory)
     save_id = uuid.uuid4().hex if rank == 0 else None
     if _distributed(world_size):
-        save_id = broadcast_object(save_id, world_size)
+        save_id = broadcast_object(save_id, world_size, device)
     staging = directory.parent / f'{directory.name}.tmp-{save_id}'
     start, stop = shard_block(num_samples, rank, world_size)
     error = None

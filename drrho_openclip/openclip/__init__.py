@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Tuple, TypedDict
 
-from .import_hook import PluginActivationError, install_import_hook
+from .import_hook import PluginActivationError, install_import_hook, openclip_main
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -139,6 +139,6 @@ def checkpoints_saved(completed_epoch: int, checkpoint_files: List[str], args) -
     checkpoints_saved(run.active(), completed_epoch, checkpoint_files, args)
 
 
-__all__ = ['BatchExtras', 'PluginActivationError', 'TrainingLoss', 'install_import_hook', 'add_args', 'check_args',
-           'configure_model', 'create_loss', 'wds_sample_extras', 'wrap_data', 'resolve_loss_state',
+__all__ = ['BatchExtras', 'PluginActivationError', 'TrainingLoss', 'install_import_hook', 'openclip_main', 'add_args',
+           'check_args', 'configure_model', 'create_loss', 'wds_sample_extras', 'wrap_data', 'resolve_loss_state',
            'checkpoint_loss_state', 'checkpoints_saved']

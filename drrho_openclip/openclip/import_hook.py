@@ -123,3 +123,10 @@ def install_import_hook():
     if too_late:
         raise PluginActivationError(f"drrho-openclip: {', '.join(too_late)} was imported before the plugin hook; "
                                     f"import drrho_openclip.openclip first (or run `python -m drrho_openclip.train`)")
+
+
+def openclip_main(argv) -> int:
+    """OpenCLIP's training entry point (`open_clip_train.main.main`) with the hook installed first."""
+    install_import_hook()
+    from open_clip_train.main import main
+    return main(argv)
