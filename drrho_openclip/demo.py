@@ -22,7 +22,6 @@ as soon as its run ends; then only the last one is kept.
 import argparse
 import importlib.util
 import json
-import logging
 import math
 import random
 import re

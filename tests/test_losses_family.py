@@ -73,7 +73,7 @@ def test_every_loss_has_help_and_paper_defaults():
     # ρ from the batch: the paper's 8.5 (rho=8.5) exceeds log(B − 1) below B = 4900, where τ would collapse
     assert get_loss_spec('fastclip').defaults['rho'] == 'auto'
     assert create_loss('fastclip', num_samples=4, rho=8.5).rho == 8.5
-    # the teacher's scale is calibrated on the first batch unless given (distill.TeacherLogitScale)
+    # the teacher's scale is calibrated on the first batch unless given (distill.ReferenceLogitScale)
     assert get_loss_spec('jest').defaults == dict(selection_ratio=0.2, num_chunks=2, reference_logit_scale='auto')
     assert get_loss_spec('balanced').defaults['balance_steps'] == 2
     assert get_loss_spec('drrho').defaults['reference_logit_scale'] == 'auto'

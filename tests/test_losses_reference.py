@@ -206,7 +206,7 @@ def test_fastclip_is_a_registration_over_the_core():
     # ρ from the batch by default (the paper's 8.5 is rho=8.5); τ learned by the loss's own Adam
     assert spec.defaults['learn_temperature'] and spec.defaults['rho'] == 'auto' and spec.defaults['temperature'] == 0.07
     loss = create_loss('fastclip', num_samples=4)
-    assert loss.rho is None and loss.target_negatives == 8 and not loss.use_reference
+    assert loss.rho is None and loss.target_negatives == 8 and not loss.reference_shift
     assert math.isclose(loss.log_eps, math.log(1e-14))
     assert create_loss('fastclip', num_samples=4, rho=8.5).rho == 8.5
 

@@ -427,7 +427,7 @@ def test_dro_loss_with_tiled_aggregation(name, options, tile_size):
         losses[kind] = loss
     assert losses['tiled'].aggregate is not dense_aggregate and losses['tiled'].distill_rows == tile_size
     assert losses['untiled'].aggregate is dense_aggregate
-    with_ref = losses['untiled'].use_reference
+    with_ref = losses['untiled'].reference_shift
 
     for step in range(4):
         if step == 1:   # epoch 0 takes the mini-batch estimate as is; from epoch 1 on, γ = 0.5

@@ -195,21 +195,21 @@ def balance_at_positives(d, inv_tau, steps, world_size=1, offset=0, transposed=F
 
 class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
-    def __init__(self, temperature: nn.Module, steps: int = 2, use_reference: bool = False, rank: int = 0,
+    def __init__(self, temperature: nn.Module, steps: int = 2, reference_shift: bool = False, rank: int = 0,
                  world_size: int = 1):
         super().__init__()
         if steps < 1:
             raise ValueError(f"the balanced loss needs at least one balancing step (1 = CLIP), got {steps}")
         self.temperature = temperature
         self.steps = steps
-        self.use_reference = use_reference
+        self.reference_shift = reference_shift
         self.rank = rank
         self.world_size = world_size
         self._last = {}
 
     def forward(self, image_features, text_features, logit_scale=None, ref_image_features=None,
                 ref_text_features=None, accum_step=None, output_dict=False, **_):
-        if self.use_reference:
+        if self.reference_shift:
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         check_eval_call(self, accum_step)
         device = image_features.device
@@ -224,7 +224,7 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             sim_image = similarities(image, all_text)
             sim_text = None if whole_batch else similarities(text, all_image)
             tau = fixed_within_window(self.temperature(logit_scale=logit_scale)[0].to(sim_image.dtype), accum_step)
-            if self.use_reference:
+            if self.reference_shift:
                 ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)
                 sim_image = sim_image.sub_(product(ref_image, all_ref_text.T))

@@ -26,7 +26,7 @@ from torch import nn
 from .base import WINDOW_NOT_OPENED, ReferenceFeatures, check_eval_call, keep_in_graph
 from .collectives import gather_batch
 from .dense import dense_aggregate
-from .distill import TeacherLogitScale, distillation_loss
+from .distill import ReferenceLogitScale, distillation_loss
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
 from .state import MovingAverageState, SampleSharding, check_same_window, per_sample_tables
 from .temperatures import rho_for_batch
@@ -46,16 +46,13 @@ def sogclr_estimate(log_g: torch.Tensor, log_u: torch.Tensor, log_eps: float) ->
     return ratio * log_eps_g + (log_eps_u - ratio * log_eps_g).detach()
 
 
-
-
-
 class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     """Bimodal KL-DRO contrastive loss with an optional reference shift and per-sample state.
 
     Returns {'contrastive_loss': L} with L = mean_i [τ F_image_i + τ F_text_i] + ρ(τ_image + τ_text), where F uses
     u (so its value is the SogCLR estimate of the objective, exactly the mini-batch objective when γ = 1).
     `rho=None` takes ρ from the global batch B: log((B − 1)/k) with k = `target_negatives` (`rho_for_batch`).
-    With `use_reference`, `reference_weight` α scales the shift: ℓ̂ = ℓ − α ℓ^ref (1: the paper's RHO loss).
+    With `reference_shift`, `reference_weight` α scales the shift: ℓ̂ = ℓ − α ℓ^ref (1: the paper's RHO loss).
 
     `positive_in_denominator` replaces ε by 1/(B−1): the positive pair's own term exp(ℓ_ii/τ) = 1 joins the mean over
     the B − 1 candidates, so τ log(1/(B−1) + g_i) = τ [log(1 + Σ_{j≠i} exp(ℓ̂_ij/τ)) − log(B−1)], CLIP's
@@ -86,7 +83,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             rho: Optional[float] = 0.0,
             target_negatives: Optional[float] = None,
             state: Optional[MovingAverageState] = None,
-            use_reference: bool = False,
+            reference_shift: bool = False,
             reference_weight: float = 1.0,
             negative_log_weight=None,
             rank: int = 0,
@@ -113,7 +110,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.rho = rho
         self.target_negatives = target_negatives
         self.state = state
-        self.use_reference = use_reference
+        self.reference_shift = reference_shift
         self.reference_weight = reference_weight
         self.negative_log_weight = negative_log_weight
         self.rank = rank
@@ -124,7 +121,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.teacher_logit_scale = None
         self.distill_rows = distill_rows  # anchors per chunk of the KD term (0: all at once); the tiled core's T
         if distill_weight > 0:
-            self.teacher_logit_scale = TeacherLogitScale(teacher_logit_scale, world_size)
+            self.teacher_logit_scale = ReferenceLogitScale(teacher_logit_scale, world_size)
         self._window = None  # (accumulation window's index, its log u) while --accum-freq replays a window
         self._window_tau = None  # the window's temperatures, from its first call
         self._last = {}
@@ -205,7 +202,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
 
     def forward(self, image_features, text_features, logit_scale=None, index=None,
                 ref_image_features=None, ref_text_features=None, accum_step=None, output_dict=False, **_):
-        if self.use_reference:
+        if self.reference_shift:
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
         elif self.distill_weight > 0:
             self.require_reference(ref_image_features, ref_text_features, "distills from the reference model")
@@ -221,7 +218,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             all_image = gather_batch(image, self.world_size, with_grad=True, device=device)
             all_text = gather_batch(text, self.world_size, with_grad=True, device=device)
             reference = None
-            if self.use_reference or self.distill_weight > 0:
+            if self.reference_shift or self.distill_weight > 0:
                 ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
                 reference = (ref_image, ref_text,
                              gather_batch(ref_image, self.world_size, with_grad=False, device=device),
@@ -231,7 +228,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                                  f"(an anchor's negatives are the batch's other samples)")
             offset = self.rank * image.shape[0]
             log_eps = -math.log(all_text.shape[0] - 1) if self.positive_in_denominator else self.log_eps
-            shift = self._shift(reference) if self.use_reference else None
+            shift = self._shift(reference) if self.reference_shift else None
             # a temperature chosen from the reference's margins sees them as the DRO weights do: α-scaled
             tau_image, tau_text = self._temperatures(logit_scale, index, image, text, shift, accum_step)
             inv_tau_image, inv_tau_text = 1.0 / tau_image, 1.0 / tau_text
@@ -333,7 +330,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         }
         if self.rho is None:  # from the batch
             out['rho'] = last['rho']
-        if self.use_reference:
+        if self.reference_shift:
             out['reference_margin'] = self.reference_margin().item()
         if 'distill' in last:
             out['distill'] = last['distill'].item()

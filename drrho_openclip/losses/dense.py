@@ -113,7 +113,8 @@ class _DenseLogMeanExp(torch.autograd.Function):
             in_pass_args = (sim, negative_log_weight) if in_pass else ()
             stats = passes.fused(_statistics, shifted)(shifted, rows, columns, offset, with_slope, *in_pass_args)
             del sim, in_pass_args
-        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats)
+        # backward reads each direction's log-sum-exp and Σ_j p_ij; the τ-slopes are outputs only
+        ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats[:2], *stats[3:5])
         ctx.rows, ctx.columns, ctx.offset = rows, columns, offset
         ctx.in_pass_log_weight = negative_log_weight if in_pass else None
         log_mean = math.log(shifted.shape[1] - 1)
@@ -128,7 +129,7 @@ class _DenseLogMeanExp(torch.autograd.Function):
     def backward(ctx, upstream, _slope, upstream_columns, _slope_columns):
         anchors, candidates, ref_anchors, ref_candidates, shifted, *stats = ctx.saved_tensors
         rows = (*ctx.rows, *stats[:2], upstream)
-        columns = None if ctx.columns is None else (*ctx.columns, *stats[3:5], upstream_columns)
+        columns = None if ctx.columns is None else (*ctx.columns, *stats[2:4], upstream_columns)
         in_pass_args = ()
         if ctx.in_pass_log_weight is not None:  # the raw similarities again (d itself without a reference)
             in_pass_args = (_similarities(anchors, candidates, ref_anchors, shifted), ctx.in_pass_log_weight)

@@ -7,7 +7,7 @@ Normalisation: Eq. 16 prints 1/|B|² in front of each direction's double sum and
 values come from the official code, which (like MobileCLIP's and OpenCLIP's DistillClipLoss) averages over the
 anchors (1/|B|) and over the two directions (½), so KD is on the scale of CLIP's loss in Eq. 12; we do the same.
 
-The teacher's logit scale t: a number (a CLIP reference's own, e.g. 100), or 'auto' (`TeacherLogitScale`): the t at
+The teacher's logit scale t: a number (a CLIP reference's own, e.g. 100), or 'auto' (`ReferenceLogitScale`): the t at
 which the reference's own in-batch predictions are calibrated on the training data (`calibrated_logit_scale`). A
 teacher's softmax is only as good as its scale: precomputed or imported features carry none, and a reference that is
 right on 60 % of its batches but given CLIP's 100 asserts every answer with near certainty, so KD then teaches its
@@ -23,12 +23,10 @@ from torch.utils.checkpoint import checkpoint
 from .base import KeepsStatePrecision
 from .collectives import check_device, gather_batch
 from .registry import AUTO
-from .temperatures import log_bisection
+from .temperatures import CHOICE_ANCHORS, first_anchor_similarities, log_bisection
 
 # The range of an 'auto' teacher scale: CLIP's own bounds on its learned logit_scale (1 at τ = 1; 100, OpenCLIP's clamp)
 TEACHER_SCALE_RANGE = (1.0, 100.0)
-# As for an 'auto' τ: the first anchors of the global batch (the same on every rank) calibrate the teacher
-CALIBRATION_ANCHORS = 512
 
 
 def soft_cross_entropy(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
@@ -61,7 +59,7 @@ def distillation_loss(anchors, candidates, ref_anchors, ref_candidates, logit_sc
             ) / (2 * rows)
 
 
-def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = CALIBRATION_ANCHORS,
+def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = CHOICE_ANCHORS,
                            low: float = TEACHER_SCALE_RANGE[0], high: float = TEACHER_SCALE_RANGE[1],
                            iterations: int = 40) -> torch.Tensor:
     """The logit scale t in [low, high] that minimises the reference's own CLIP loss on this batch (its mean
@@ -70,9 +68,7 @@ def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_
     The loss is convex in t with derivative mean_i (E_{softmax(t·s_i·)}[s_ij] − s_ii), increasing in t: a bisection
     in log t on its sign. `high` when even it leaves the positives under-predicted (the reference ranks them first
     with room to spare), `low` when the reference is no better than chance."""
-    ref_image, ref_text = ref_image.double(), ref_text.double()
-    anchors = min(ref_image.shape[0], max_anchors)
-    rows = torch.cat([ref_image[:anchors] @ ref_text.T, ref_text[:anchors] @ ref_image.T])  # [2r, B]
+    rows, anchors = first_anchor_similarities(ref_image, ref_text, max_anchors)  # [2r, B]
     positives = torch.cat([rows[:anchors].diagonal(), rows[anchors:].diagonal()])
 
     def rising(t):  # past the minimum: the loss's derivative at t is positive
@@ -82,22 +78,23 @@ def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_
     return ((low_log + high_log) / 2).exp()
 
 
-class TeacherLogitScale(KeepsStatePrecision, nn.Module):
-    """The teacher's logit scale: a given number, or 'auto': `calibrated_logit_scale` of the first training call's
-    global batch (every rank gathers the reference features once and computes the same t), kept from then on; a
-    buffer, so checkpoints and resume carry the choice and `loss.to(device)` moves it."""
+class ReferenceLogitScale(KeepsStatePrecision, nn.Module):
+    """The reference model's logit scale (KD's teacher scale, JEST's scores): a given number, or 'auto':
+    `calibrated_logit_scale` of the first training call's global batch (every rank gathers the reference features
+    once and computes the same t), kept from then on; a buffer, so checkpoints and resume carry the choice and
+    `loss.to(device)` moves it."""
 
     def __init__(self, value, world_size: int = 1):
         super().__init__()
         self.world_size = world_size
         if value != AUTO and not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"reference_logit_scale must be > 0 or '{AUTO}', got {value!r}")
-        self.auto = value == AUTO
+        auto = value == AUTO
         # only a chosen scale is the run's state; a given one is the configuration's (and older checkpoints of the
         # losses that take one hold no entry for it)
-        self.register_buffer('value', torch.tensor(float('nan') if self.auto else float(value), dtype=torch.float64),
-                             persistent=self.auto)
-        self._chosen = not self.auto  # a host-side copy of "value is set": no device read per call
+        self.register_buffer('value', torch.tensor(float('nan') if auto else float(value), dtype=torch.float64),
+                             persistent=auto)
+        self._chosen = not auto  # a host-side copy of "value is set": no device read per call
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -91,11 +91,11 @@ def _check_choice(o, name, choices):
         raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
 
 
-def _global_temperature(o, use_reference):
+def _global_temperature(o, reference_shift):
     """A DRO loss's global τ: fixed, or learned by the loss's own Adam (from a given τ or an 'auto' one) or through
     the model's logit_scale."""
     _check_auto(o, 'temperature', 1e-300)
-    if o.temperature == AUTO and not use_reference:
+    if o.temperature == AUTO and not reference_shift:
         raise ValueError(f"temperature '{AUTO}' is chosen from the reference model's margins, which this loss does "
                          f"not shift by: give a number")
     if not _learns_temperature(o):
@@ -183,11 +183,11 @@ def _state(o, sharding):
     return MovingAverageState(o.gamma, o.gamma_decay_epochs, sharding)
 
 
-def _dro(o, use_reference, temperature=None, sharding=None, **core_options):
+def _dro(o, reference_shift, temperature=None, sharding=None, **core_options):
     """The core with the common options; `temperature` defaults to the global τ (with ρ only when it is learned)."""
     rho, target_negatives = _rho(o)
     if temperature is None:
-        temperature = _global_temperature(o, use_reference)
+        temperature = _global_temperature(o, reference_shift)
         if not _learns_temperature(o):
             rho = 0.0
     if o.tile_size < 0:
@@ -198,9 +198,9 @@ def _dro(o, use_reference, temperature=None, sharding=None, **core_options):
     if sharding is None:
         sharding = _sharding(o)
     return DROContrastiveLoss(
-        temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives,
-        state=_state(o, sharding), use_reference=use_reference, reference_weight=getattr(o, 'reference_weight', 1.0),
-        rank=o.rank, world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
+        temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives, state=_state(o, sharding),
+        reference_shift=reference_shift, reference_weight=getattr(o, 'reference_weight', 1.0), rank=o.rank,
+        world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), **core_options)
 
 
@@ -243,7 +243,7 @@ DRRHO_PAPER_OPTIONS = dict(DRRHO_OPTIONS, temperature=0.01, learn_temperature=Fa
          "with distill_weight > 0, plus KD from the reference model",
     inactive=_global_temperature_and_distill_inactive)
 def drrho(o):
-    return _dro(o, use_reference=True)
+    return _dro(o, reference_shift=True)
 
 
 @register_loss(
@@ -252,7 +252,7 @@ def drrho(o):
     # the paper's fixed τ = 0.07, OpenCLIP's initial one: without a reference there are no margins to choose τ from
     defaults=DRO_OPTIONS, inactive=_global_temperature_inactive)
 def sogclr(o):
-    return _dro(o, use_reference=False)
+    return _dro(o, reference_shift=False)
 
 
 @register_loss(
@@ -267,7 +267,7 @@ def sogclr(o):
 def fastclip(o):
     if not o.learn_temperature:
         raise ValueError("fastclip learns τ; for a fixed τ use the loss sogclr")
-    return _dro(o, use_reference=False)
+    return _dro(o, reference_shift=False)
 
 
 @register_loss(
@@ -286,7 +286,7 @@ def isogclr(o):
     sharding = _sharding(o, per_sample_temperature=True)
     temperature = PerSampleTemperature(sharding, o.temperature, o.tau_min, o.tau_max, o.lr_tau, o.tau_beta1,
                                        o.tau_beta2, o.tau_eps)
-    return _dro(o, use_reference=False, temperature=temperature, sharding=sharding)
+    return _dro(o, reference_shift=False, temperature=temperature, sharding=sharding)
 
 
 @register_loss(
@@ -304,7 +304,7 @@ def tempnet(o):
         raise ValueError("tempnet needs the model's embedding size: pass embed_dim (the model's embed_dim)")
     temperature = TempNetTemperature(o.embed_dim, width=o.tempnet_width, prototypes=o.tempnet_prototypes,
                                      tau_min=o.tau_min, tau_max=o.tau_max)
-    return _dro(o, use_reference=o.reference_shift, temperature=temperature)
+    return _dro(o, reference_shift=o.reference_shift, temperature=temperature)
 
 
 @register_loss(
@@ -317,7 +317,7 @@ def tempnet(o):
     inactive=_global_temperature_inactive)
 def adnce(o):
     # ε is replaced by the positive's own term: see DROContrastiveLoss (positive_in_denominator)
-    return _dro(o, use_reference=o.reference_shift, negative_log_weight=adnce_log_weight(o.adnce_mu, o.adnce_sigma),
+    return _dro(o, reference_shift=o.reference_shift, negative_log_weight=adnce_log_weight(o.adnce_mu, o.adnce_sigma),
                 positive_in_denominator=True)
 
 
@@ -329,7 +329,7 @@ def adnce(o):
 def balanced(o):
     _check_number(o, 'temperature', "the logit scale's start, or the fixed τ")
     temperature = LogitScaleTemperature() if o.learn_temperature else FixedTemperature(o.temperature)
-    return BalancedClipLoss(temperature, o.balance_steps, use_reference=o.reference_shift, rank=o.rank,
+    return BalancedClipLoss(temperature, o.balance_steps, reference_shift=o.reference_shift, rank=o.rank,
                             world_size=o.world_size)
 
 

@@ -3,7 +3,7 @@
 From a super-batch, JEST keeps the fraction `selection_ratio` with the highest learnability (the learner's loss
 minus the reference model's), drawn in `num_chunks` chunks, each conditioned on the chunks drawn before, and trains
 with CLIP's loss on that sub-batch only. With L = s·S (learner, s its logit scale) and R = t·S^ref (reference at
-its logit scale t: given, or calibrated on the first batch as for distillation, `distill.TeacherLogitScale`), the
+its logit scale t: given, or calibrated on the first batch as for distillation, `distill.ReferenceLogitScale`), the
 learnability of candidate i given the selected set S is
 
     chunk 1:    d_i = R_ii − L_ii                                   (the loss of the positive pair alone)
@@ -34,7 +34,7 @@ from .base import (WINDOW_NOT_OPENED, LastCallMetrics, ReferenceFeatures, check_
                    keyed_uniform, mix64)
 from .clip import ClipLoss
 from .collectives import gather_batch
-from .distill import TeacherLogitScale
+from .distill import ReferenceLogitScale
 from .precision import at_least_float32, autocast_disabled
 
 
@@ -56,7 +56,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         self.selection_ratio = selection_ratio
         self.num_chunks = num_chunks
         self.topk = topk
-        self.reference_logit_scale = TeacherLogitScale(reference_logit_scale, world_size)
+        self.reference_logit_scale = ReferenceLogitScale(reference_logit_scale, world_size)
         self.world_size = world_size
         self.clip = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad, rank=rank,
                              world_size=world_size)

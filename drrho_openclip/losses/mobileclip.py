@@ -1,10 +1,10 @@
 """MobileCLIP's loss (Vasu et al., 2024; seed 001 Eq. 12): (1 − λ) · CLIP + λ · KD, with the reference model as the
 teacher. As OpenCLIP's `DistillClipLoss`: KD (`distill.soft_cross_entropy`) of the student's CLIP logits against
-the teacher's at its logit scale (given, or calibrated on the first batch: `distill.TeacherLogitScale`), over the same
-rows and columns, averaged over both directions."""
+the teacher's at its logit scale (given, or calibrated on the first batch: `distill.ReferenceLogitScale`), over the
+same rows and columns, averaged over both directions."""
 from .base import ReferenceFeatures, check_eval_call, fixed_within_window
 from .clip import ClipLoss
-from .distill import TeacherLogitScale, soft_cross_entropy
+from .distill import ReferenceLogitScale, soft_cross_entropy
 
 
 class MobileClipLoss(ReferenceFeatures, ClipLoss):
@@ -14,7 +14,7 @@ class MobileClipLoss(ReferenceFeatures, ClipLoss):
         if not 0 < distill_weight <= 1:
             raise ValueError(f"distill_weight λ must be in (0, 1], got {distill_weight}")
         self.distill_weight = distill_weight
-        self.teacher_logit_scale = TeacherLogitScale(teacher_logit_scale, self.world_size)
+        self.teacher_logit_scale = ReferenceLogitScale(teacher_logit_scale, self.world_size)
 
     def forward(self, image_features, text_features, logit_scale, ref_image_features=None, ref_text_features=None,
                 accum_step=None, output_dict=False, **_):

@@ -41,7 +41,6 @@ class FixedTemperature(KeepsStatePrecision, nn.Module):
         super().__init__()
         if tau <= 0:
             raise ValueError(f"temperature must be > 0, got {tau}")
-        self.tau = tau
         # a buffer, so that loss.to(device) puts it beside the features (no host-to-device copy per call); not in
         # the state_dict: it is the configuration's, not the run's
         self.register_buffer('value', torch.tensor(tau, dtype=torch.float64), persistent=False)
@@ -60,9 +59,18 @@ class LogitScaleTemperature(nn.Module):
         return tau, tau
 
 
-# At most this many anchors per direction (the first of the global batch, the same on every rank) choose the initial
-# τ: their median is as good as all B anchors', and the [r, B] margins stay small at a batch of 32k (128 MiB)
-TEMPERATURE_CHOICE_ANCHORS = 512
+# At most this many anchors per direction (the first of the global batch, the same on every rank) choose what is
+# chosen from the first batch (an 'auto' τ, an 'auto' teacher scale): their median is as good as all B anchors', and
+# the [2r, B] similarities stay small at a batch of 32k (128 MiB)
+CHOICE_ANCHORS = 512
+
+
+def first_anchor_similarities(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = None):
+    """([2r, B] float64 similarities of the first r = min(B, max_anchors) image anchors to every text, then of the
+    first r text anchors to every image; r)."""
+    ref_image, ref_text = ref_image.double(), ref_text.double()
+    anchors = ref_image.shape[0] if max_anchors is None else min(ref_image.shape[0], max_anchors)
+    return torch.cat([ref_image[:anchors] @ ref_text.T, ref_text[:anchors] @ ref_image.T]), anchors
 
 
 def reference_margins(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = None) -> torch.Tensor:
@@ -70,18 +78,14 @@ def reference_margins(ref_image: torch.Tensor, ref_text: torch.Tensor, max_ancho
     their B − 1 negatives (image anchors, then text anchors), in float64. At the start of training the learner's
     similarities carry nothing, so the RHO-shifted loss is ℓ̂_ij ≈ m_ij and an anchor's DRO weights are
     softmax_j(m_ij/τ)."""
-    ref_image, ref_text = ref_image.double(), ref_text.double()
-    batch = ref_image.shape[0]
-    anchors = batch if max_anchors is None else min(batch, max_anchors)
+    sim, anchors = first_anchor_similarities(ref_image, ref_text, max_anchors)
+    batch = sim.shape[1]
     # anchor i's negatives are the columns j ≠ i: slot t holds column t, or t + 1 from the positive on (a gather, not
     # a boolean mask, so that no device has to synchronise on the number of selected entries)
-    slots = torch.arange(batch - 1, device=ref_image.device)[None, :]
-    columns = slots + (slots >= torch.arange(anchors, device=ref_image.device)[:, None])
-    rows = []
-    for anchor, candidates in ((ref_image, ref_text), (ref_text, ref_image)):
-        sim = anchor[:anchors] @ candidates.T
-        rows.append(sim.diagonal()[:, None] - sim.gather(1, columns))
-    return torch.cat(rows)
+    slots = torch.arange(batch - 1, device=sim.device)[None, :]
+    columns = slots + (slots >= torch.arange(anchors, device=sim.device)[:, None]).repeat(2, 1)
+    positives = torch.cat([sim[:anchors].diagonal(), sim[anchors:].diagonal()])
+    return positives[:, None] - sim.gather(1, columns)
 
 
 def effective_negatives(margins: torch.Tensor, tau) -> torch.Tensor:
@@ -194,7 +198,7 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
             raise ValueError("temperature 'auto' is chosen from the reference margins of the first batch, and "
                              "this batch carries no reference features")
         with torch.no_grad():
-            margins = reference_margins(reference[2], reference[3], TEMPERATURE_CHOICE_ANCHORS)
+            margins = reference_margins(reference[2], reference[3], CHOICE_ANCHORS)
             return temperature_for_effective_negatives(margins, self.target_negatives, self.tau_min, self.tau_max)
 
     def forward(self, image_features=None, reference=None, **_):

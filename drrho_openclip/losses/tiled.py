@@ -18,10 +18,10 @@ b×T block of any pairwise matrix (T = `tile_size` columns):
 
 Memory is O((b + B)·d + b·T); the arithmetic is the untiled one plus one recomputation of d.
 
-Use it with the core:
+Use it with the core through the loss's `tile_size` option (`--tile-size`), which also chunks the distillation
+term to the same rows:
 
-    loss = create_loss('drrho', num_samples=n)
-    loss.aggregate = make_tiled_aggregate(DEFAULT_TILE_SIZE)
+    loss = create_loss('drrho', num_samples=n, tile_size=DEFAULT_TILE_SIZE)
 
 Negative log-weights (`negative_log_weight`, e.g. ADNCE-style hardness weights) are supported under a contract,
 since the full row never exists:
@@ -64,8 +64,8 @@ __all__ = [
 # Small tiles pay a per-tile cost (~20 small kernels per tile, each an OpenMP region, which is what hurts on an
 # oversubscribed 2-core machine); beyond ~1024 columns time is flat while the b×T blocks (a few alive at once,
 # 4·b·T bytes each) keep growing. 1024: the smallest tile on the first sweeps' time plateau. On a GPU, larger tiles
-# (4096–8192) keep kernels busier; the value is a per-run choice (`make_tiled_aggregate(tile_size)`), not part of
-# the loss's definition.
+# (4096–8192) keep kernels busier; the value is a per-run choice (`--tile-size`), not part of the loss's
+# definition.
 DEFAULT_TILE_SIZE = 1024
 
 
