@@ -233,12 +233,12 @@ DRRHO_PAPER_OPTIONS = dict(DRRHO_OPTIONS, temperature=0.01, learn_temperature=Fa
 
 
 @register_loss(
-    'drrho-paper', reference='required', stateful=True, run_options=STATEFUL, defaults=DRRHO_PAPER_OPTIONS,
+    'drrho-paper', reference='required', run_options=STATEFUL, defaults=DRRHO_PAPER_OPTIONS,
     help="DRRho-CLIP in the paper's main setting: drrho with the full shift (reference_weight 1) at a fixed τ = 0.01, "
          "tuned for global batches of 5120 and more with a strong reference",
     inactive=_global_temperature_and_distill_inactive)
 @register_loss(
-    'drrho', reference='required', stateful=True, run_options=STATEFUL, defaults=DRRHO_OPTIONS,
+    'drrho', reference='required', run_options=STATEFUL, defaults=DRRHO_OPTIONS,
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
     inactive=_global_temperature_and_distill_inactive)
@@ -247,7 +247,7 @@ def drrho(o):
 
 
 @register_loss(
-    'sogclr', stateful=True, run_options=STATEFUL,
+    'sogclr', run_options=STATEFUL,
     help="SogCLR / FastCLIP-v1: global contrastive loss, fixed τ, per-sample u with γ",
     # the paper's fixed τ = 0.07, OpenCLIP's initial one: without a reference there are no margins to choose τ from
     defaults=DRO_OPTIONS, inactive=_global_temperature_inactive)
@@ -256,7 +256,7 @@ def sogclr(o):
 
 
 @register_loss(
-    'fastclip', reference='optional', stateful=True, run_options=STATEFUL,
+    'fastclip', reference='optional', run_options=STATEFUL,
     help="FastCLIP-v3: global contrastive loss with a learned τ and the KL-constraint ρ (Wei et al., 2024); with "
          "distill_weight > 0, plus KD from the reference model (the contrastive part is not shifted)",
     # the paper's CC12M / ViT-B/32 setting, but ρ from the batch (its 8.5 is rho=8.5) and τ learned by the loss's own
@@ -271,7 +271,7 @@ def fastclip(o):
 
 
 @register_loss(
-    'isogclr', stateful=True, run_options=STATEFUL,
+    'isogclr', run_options=STATEFUL,
     help="FastCLIP-v2 / iSogCLR: a learnable τ per sample and modality (per-sample Adam), ρ, per-sample u",
     # the FastCLIP paper's v2 setting (CC3M), but ρ from the batch (its 7.0 is rho=7) and the τ's start at 0.07, as
     # the other losses' (its 0.03 lost to clip at batch 64: mean recall 3.8 against 10.4, and 10.8 from 0.07);
@@ -290,7 +290,7 @@ def isogclr(o):
 
 
 @register_loss(
-    'tempnet', reference='optional', stateful=True, run_options=(*STATEFUL, 'embed_dim'),
+    'tempnet', reference='optional', run_options=(*STATEFUL, 'embed_dim'),
     help="TempNet: τ per anchor predicted by a small network on the detached features, learned through the "
          "KL-constrained DRO objective (Qiu et al., 2024); its parameters must be attached to the model",
     # the official CLIP code's values (the paper's are elided in our copy), but ρ from the batch (its 7.0 is rho=7)
@@ -308,7 +308,7 @@ def tempnet(o):
 
 
 @register_loss(
-    'adnce', reference='optional', stateful=True, run_options=STATEFUL,
+    'adnce', reference='optional', run_options=STATEFUL,
     help="ADNCE: negatives re-weighted by a Gaussian of their similarity (µ, σ), positive kept in the denominator "
          "(Wu et al., 2023)",
     # the paper's SimCSE-BERT setting (τ 0.07, µ 0.4, σ 1); mini-batch like the paper (γ = 1)

@@ -100,16 +100,19 @@ class LossSpec:
     # the user's options: the paper's values, unless those were measured to lose at small batch
     defaults: Dict = field(default_factory=dict)
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
-    stateful: bool = False                          # keeps per-sample state (needs the sample index)
     run_options: Tuple[str, ...] = DISTRIBUTED      # the options of RUN_OPTION_DEFAULTS the training run supplies
     inactive: Callable = None                       # options -> {option: why it has no effect with these options}
+
+    @property
+    def stateful(self) -> bool:
+        """Keeps per-sample state, sized by the dataset (`num_samples`), so needs each sample's index."""
+        return 'num_samples' in self.run_options
 
 
 _LOSSES: Dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, help: str, defaults=None, reference='none', stateful=False, run_options=DISTRIBUTED,
-                  inactive=None):
+def register_loss(name: str, help: str, defaults=None, reference='none', run_options=DISTRIBUTED, inactive=None):
     """Decorator registering `factory(options) -> nn.Module` under `name`."""
     def wrap(factory):
         if name in _LOSSES:
@@ -121,8 +124,7 @@ def register_loss(name: str, help: str, defaults=None, reference='none', statefu
         both = sorted(set(run_options) & set(defaults or {}))
         if both:
             raise ValueError(f"loss '{name}': {', '.join(both)} are run options, not the user's")
-        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, stateful, tuple(run_options),
-                                 inactive)
+        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, tuple(run_options), inactive)
         return factory
     return wrap
 
