@@ -21,7 +21,7 @@ CLIP = (*DISTRIBUTED, 'local_loss', 'gather_with_grad')
 # ρ it would collapse to a bound wherever log(B − 1) < ρ (FastCLIP's 8.5 needs B > 4900). With k = 8 an 'auto' τ starts
 # at about 0.1 at batch 64 and 0.03 at 512 on the demo's reference (the reference check reads its warning line from
 # the same k).
-ESTIMATOR_TEMPERATURE_OPTIONS = dict(rho=AUTO, target_negatives=8.0)
+RHO_OPTIONS = dict(rho=AUTO, target_negatives=8.0)
 
 # The options of a DRO loss with a global τ (the per-loss defaults below override them)
 DRO_OPTIONS = dict(
@@ -37,7 +37,7 @@ DRO_OPTIONS = dict(
     lr_tau=AUTO,
     tau_min=0.001,             # bounds of a learned τ (the paper's τ = 0.01 is for batches of 5120; 32k wants less)
     tau_max=1.0,
-    **ESTIMATOR_TEMPERATURE_OPTIONS,
+    **RHO_OPTIONS,
     epsilon=1e-14,             # ε in log(ε + g)
     gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample u)
     gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
