@@ -2,6 +2,7 @@
 loss flags a loss does not read."""
 import json
 import logging
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,6 +62,22 @@ def test_what_openclip_refuses_with_status_0_stops_at_parsing(shapes, tmp_path, 
         with pytest.raises(SystemExit):
             parse(*base, '--resume', 'latest', '--remote-sync', tmp_path / 'remote', *extra)
         assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('loss', ['drrho-paper', 'sogclr', 'balanced'])
+def test_an_evaluation_leaves_the_models_logit_scale_as_loaded(shapes, tmp_path, loss):
+    """Training starts the logit_scale at 1/--temperature; evaluating a model (--val-data alone, e.g. of
+    --pretrained weights) must not, or its validation loss would depend on a loss that never trains."""
+    reference = ('--ref-model', shapes['model']) if loss == 'drrho-paper' else ()
+    evaluation = parse('--model', shapes['model'], '--val-data', tmp_path / 'val.csv', '--loss', loss, *reference)
+    training = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16,
+                     '--loss', loss, *reference)
+    for args, scale in ((evaluation, 3.0), (training, math.log(1 / training.temperature))):
+        model = open_clip.create_model(shapes['model'])
+        with torch.no_grad():
+            model.logit_scale.fill_(3.0)  # as loaded
+        plugin.configure_model(model, args)
+        assert model.logit_scale.item() == pytest.approx(scale)
 
 
 @pytest.mark.parametrize('loss', ['sogclr', 'isogclr', 'balanced'])

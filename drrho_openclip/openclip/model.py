@@ -8,6 +8,7 @@ import torch
 from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveLoss, LogitScaleTemperature,
                       attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec)
 from .checkpoints import check_resumed_loss
+from .flags import trains
 from .reference import OnlineReference
 from .run import Run
 
@@ -48,8 +49,8 @@ def configure_model(run: Run, model, args):
     """Build the loss before the optimizer, DDP and resume see the model: a loss with learnable modules (TempNet)
     attaches them to the model. Everything the loss holds (per-sample tables, attached modules) and the online
     reference model go to the model's device, where OpenCLIP has already put the model. A τ the loss does not learn
-    through logit_scale freezes the model's logit_scale, at log 1/(the starting τ) where one is given (an 'auto' τ,
-    chosen at the first batch, leaves OpenCLIP's initial value): DDP must not wait for a gradient it never gets.
+    through logit_scale freezes the model's logit_scale, at log 1/(the starting τ) where one is given and the run
+    trains (an 'auto' τ, chosen at the first batch, leaves OpenCLIP's initial value, an evaluation the loaded one): DDP must not wait for a gradient it never gets.
     OpenCLIP's logged scale then stays there (clamped to at most 100); the τ in force is the loss's own metric
     (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
     run here."""
@@ -98,7 +99,9 @@ def configure_model(run: Run, model, args):
     if args.ref_model is not None:
         loss.reference_encoder = OnlineReference(model, args, device)
     temperature = options.get('temperature')
-    if temperature not in (None, AUTO):  # an 'auto' τ is chosen at the first batch, by the loss
+    # an 'auto' τ is chosen at the first batch, by the loss; an evaluation (no training data) keeps the scale the
+    # model was loaded with, which its validation loss reads
+    if temperature not in (None, AUTO) and trains(args):
         with torch.no_grad():
             model.logit_scale.fill_(math.log(1.0 / temperature))
     if not _uses_logit_scale(loss):
