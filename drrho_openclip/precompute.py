@@ -18,7 +18,7 @@ order, nothing decoded), so both kinds of store give every sample the same index
 cannot be decoded: a feature store leaves it out, a keys-only store (which decodes nothing) keeps its slot.
 
 Many processes: `--num-parts P --part I` computes the I-th of P contiguous slices of the shard list (by default from
-torchrun's RANK/WORLD_SIZE or a SLURM job array's task id and count). Every part writes into `<output>.partial/`;
+torchrun's RANK/WORLD_SIZE, a SLURM job array's task id and count, or the tasks of an `srun -n N`). Every part writes into `<output>.partial/`;
 the part that finds every shard there finishes the store (or `--finalize --output DIR` does). Finished shards are
 skipped, so running the same command again resumes a killed run.
 """
@@ -50,14 +50,21 @@ FINISH_WAIT_S = 60
 
 
 def _env_part():
-    """(part, number of parts) of this process under torchrun or in a SLURM job array, else (0, 1)."""
+    """(part, number of parts) of this process under torchrun, in a SLURM job array, as one of the tasks `srun -n N`
+    starts, or in an array task's srun (its N parts of the task's), else (0, 1)."""
     env = os.environ
     if 'WORLD_SIZE' in env:
         return int(env.get('RANK', 0)), int(env['WORLD_SIZE'])
+    part, num_parts = 0, 1
     if 'SLURM_ARRAY_TASK_COUNT' in env:
         task = int(env['SLURM_ARRAY_TASK_ID']) - int(env['SLURM_ARRAY_TASK_MIN'])
-        return task // int(env.get('SLURM_ARRAY_TASK_STEP', 1)), int(env['SLURM_ARRAY_TASK_COUNT'])
-    return 0, 1
+        part, num_parts = task // int(env.get('SLURM_ARRAY_TASK_STEP', 1)), int(env['SLURM_ARRAY_TASK_COUNT'])
+    # srun's own step: SLURM_NTASKS would not do, as a batch script itself sees the job's task count with PROCID 0,
+    # and would compute one part of several alone
+    if 'SLURM_STEP_NUM_TASKS' in env and 'SLURM_PROCID' in env:
+        tasks = int(env['SLURM_STEP_NUM_TASKS'])
+        part, num_parts = part * tasks + int(env['SLURM_PROCID']), num_parts * tasks
+    return part, num_parts
 
 
 def default_workers() -> int:
@@ -94,9 +101,11 @@ def parse_args(argv=None):
     part, num_parts = _env_part()
     p.add_argument('--num-parts', type=int, default=num_parts,
                    help='split the shards into this many contiguous parts, one per process (default: WORLD_SIZE '
-                        'under torchrun, SLURM_ARRAY_TASK_COUNT in a job array, else 1)')
+                        'under torchrun, SLURM_ARRAY_TASK_COUNT in a job array, times the tasks of an srun step, '
+                        'else 1)')
     p.add_argument('--part', type=int, default=part,
-                   help='the part to compute, from 0 (default: RANK, or the array task index from 0)')
+                   help='the part to compute, from 0 (default: RANK, or the array task index and srun task, '
+                        'from 0)')
     p.add_argument('--finalize', action='store_true',
                    help='only finish the store in <output>.partial/ once all its shards are written (needs only '
                         '--output; the last part to end does this by itself)')

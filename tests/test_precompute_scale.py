@@ -128,15 +128,27 @@ def test_a_checkpoint_trained_with_tempnet_is_a_reference(data, tmp_path, caplog
 
 def test_parts_default_to_torchrun_or_the_slurm_array(monkeypatch):
     base = ['--model', 'm', '--train-data', 'x.tar', '--output', 'o']
-    for name in ('RANK', 'WORLD_SIZE', 'SLURM_ARRAY_TASK_ID', 'SLURM_ARRAY_TASK_MIN', 'SLURM_ARRAY_TASK_COUNT'):
+    for name in ('RANK', 'WORLD_SIZE', 'SLURM_ARRAY_TASK_ID', 'SLURM_ARRAY_TASK_MIN', 'SLURM_ARRAY_TASK_COUNT',
+                 'SLURM_ARRAY_TASK_STEP', 'SLURM_STEP_NUM_TASKS', 'SLURM_PROCID', 'SLURM_NTASKS'):
         monkeypatch.delenv(name, raising=False)
     args = precompute.parse_args(base)
     assert (args.part, args.num_parts) == (0, 1)
+    # a batch script of a job of 4 tasks sees their count, but runs once: all of the shards
+    monkeypatch.setenv('SLURM_NTASKS', '4')
+    monkeypatch.setenv('SLURM_PROCID', '0')
+    assert (precompute.parse_args(base).part, precompute.parse_args(base).num_parts) == (0, 1)
+    monkeypatch.setenv('SLURM_STEP_NUM_TASKS', '4')  # `srun -n 4`: its task 2 of 4 (they raced for one store)
+    monkeypatch.setenv('SLURM_PROCID', '2')
+    assert (precompute.parse_args(base).part, precompute.parse_args(base).num_parts) == (2, 4)
+    monkeypatch.delenv('SLURM_STEP_NUM_TASKS')
     monkeypatch.setenv('SLURM_ARRAY_TASK_ID', '7')
     monkeypatch.setenv('SLURM_ARRAY_TASK_MIN', '4')
     monkeypatch.setenv('SLURM_ARRAY_TASK_COUNT', '5')
     args = precompute.parse_args(base)
     assert (args.part, args.num_parts) == (3, 5)
+    monkeypatch.setenv('SLURM_STEP_NUM_TASKS', '2')  # an array task's `srun -n 2`: its two halves of the task's part
+    monkeypatch.setenv('SLURM_PROCID', '1')
+    assert (precompute.parse_args(base).part, precompute.parse_args(base).num_parts) == (7, 10)
     monkeypatch.setenv('RANK', '1')
     monkeypatch.setenv('WORLD_SIZE', '2')
     args = precompute.parse_args(base)
