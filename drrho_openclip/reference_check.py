@@ -308,6 +308,9 @@ def main(argv=None) -> int:
         p.error('--reference-weight must be > 0 (at 0 the reference does not steer the weights)')
     if args.clip_recall is not None and not 0 <= args.clip_recall <= 100:
         p.error(f'--clip-recall is a percentage, got {args.clip_recall}')
+    if args.clip_recall is not None and 0 < args.clip_recall < 1:  # OpenCLIP logs recalls as fractions
+        print(f"note: --clip-recall {args.clip_recall:g} is read as {args.clip_recall:g} %; if it is the mean of "
+              f"OpenCLIP's logged fractions, give {100 * args.clip_recall:g}", file=sys.stderr)
     try:
         report = check(args.store, args.batch_size, args.temperature, args.samples, seed=args.seed,
                        reference_weight=args.reference_weight, clip_recall=args.clip_recall)

@@ -177,7 +177,8 @@ def in_data_order(name: str, file, keys, image, text, data_keys, undecodable=Non
     wanted = set(data_keys)
     foreign = [k for k in keys if k not in wanted]
     if foreign:
-        raise FeatureStoreError(f"{where}: {len(foreign)} keys are not samples of the data, e.g. '{foreign[0]}'")
+        raise FeatureStoreError(f"{where}: {len(foreign)} of its keys are not samples of the data, e.g. "
+                                f"'{foreign[0]}' (the data's keys are like '{data_keys[0]}')")
     absent = [k for k in data_keys if k not in row_of]
     left_out = undecodable(name, absent) if absent and undecodable else set()
     absent = [k for k in absent if k not in left_out]

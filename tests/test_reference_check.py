@@ -190,6 +190,11 @@ def test_a_clip_recall_turns_the_rule_into_a_reference_weight(tmp_path, capsys):
         main([str(store), '--batch-size', '64', '--samples', '100', '--clip-recall', '5'])
     assert '--samples 300' in capsys.readouterr().err
     assert main([str(store), '--batch-size', '64', '--clip-recall', '5']) == 0
+    assert 'note: --clip-recall' not in capsys.readouterr().err
+    # OpenCLIP logs recalls as fractions: one pasted as such is taken as given (a recall can be that low), with a note
+    assert main([str(store), '--batch-size', '64', '--clip-recall', '0.25']) == 0
+    assert ("--clip-recall 0.25 is read as 0.25 %; if it is the mean of OpenCLIP's logged fractions, give 25"
+            in capsys.readouterr().err)
 
 
 def test_larger_batches_spread_the_weights_and_lower_the_auto_temperature(tmp_path):

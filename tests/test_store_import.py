@@ -172,7 +172,8 @@ def corrupt(wds, fault):
     ('rows', r"input '.*part-2.npz', shard 'part-2': 16 keys, 15 image and 15 text feature rows"),
     ('duplicate', r"input '.*part-2.npz', shard 'part-2': sample key 'sample_2_04_x' appears more than once "
                   r"\(rows 4, 5\)"),
-    ('foreign', r"input '.*part-2.npz', shard 'part-2': 1 keys are not samples of the data, e.g. 'not_a_sample'"),
+    ('foreign', r"input '.*part-2.npz', shard 'part-2': 1 of its keys are not samples of the data, e.g. "
+                r"'not_a_sample' \(the data's keys are like 'sample_2_00_x'\)"),
     ('missing', r"input '.*part-2.npz', shard 'part-2': 1 samples of the data have no features, e.g. "
                 r"'sample_2_15_x'"),
     ('nan', r"input '.*part-2.npz', shard 'part-2', sample 'sample_2_06_x' \(row 6\): non-finite text features"),
