@@ -77,9 +77,9 @@ def check_resumed_loss(loss, run: Run, args):
         own = set(attached_names(loss)) if loss is not None else set()
         if saved != own:
             raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the model of a loss that attached "
-                             f"{', '.join(sorted(saved)) or 'no modules'} to it (TempNet's: --loss tempnet), this run's "
-                             f"--loss {loss_name} attaches {', '.join(sorted(own)) or 'none'}: evaluate with the --loss "
-                             f"flags it was trained with")
+                             f"{', '.join(sorted(saved)) or 'no modules'} to it (TempNet's: --loss tempnet), this "
+                             f"run's --loss {loss_name} attaches {', '.join(sorted(own)) or 'none'}: evaluate with the "
+                             f"--loss flags it was trained with")
         return
     if checkpoint.get('epoch', 0) >= args.epochs:  # OpenCLIP then ends without a word
         logging.warning(f"drrho-openclip: --resume '{args.resume}' is at epoch {checkpoint['epoch']} of --epochs "
