@@ -104,7 +104,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         if not 0 <= reference_weight < math.inf:
             raise ValueError(f"reference_weight α must be ≥ 0, got {reference_weight}")
         if not 0 <= distill_weight <= 1:
-            raise ValueError(f"distill_weight λ must be in [0, 1], got {distill_weight}")
+            raise ValueError(f"distill_weight λ must be in [0, 1] (0: no distillation), got {distill_weight}")
         self.temperature = temperature
         self.log_eps = None if epsilon is None else math.log(epsilon)
         self.rho = rho

@@ -16,6 +16,8 @@ batches, so on web-scale data at a large batch 'auto' lands near that model's ow
 
 Pure torch: anchors are this rank's rows, candidates the global batch, as in the DRO core.
 """
+import math
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -87,8 +89,8 @@ class ReferenceLogitScale(KeepsStatePrecision, nn.Module):
     def __init__(self, value, world_size: int = 1):
         super().__init__()
         self.world_size = world_size
-        if value != AUTO and not (isinstance(value, (int, float)) and value > 0):
-            raise ValueError(f"reference_logit_scale must be > 0 or '{AUTO}', got {value!r}")
+        if value != AUTO and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+            raise ValueError(f"reference_logit_scale must be a finite number > 0 or '{AUTO}', got {value!r}")
         auto = value == AUTO
         # only a chosen scale is the run's state; a given one is the configuration's (and older checkpoints of the
         # losses that take one hold no entry for it)

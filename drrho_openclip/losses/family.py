@@ -209,6 +209,8 @@ def _dro(o, reference_shift, temperature=None, sharding=None, **core_options):
                help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged); with distill_weight > 0, "
                     "MobileCLIP: (1−λ) CLIP + λ KD from the reference model")
 def clip(o):
+    if not 0 <= o.distill_weight <= 1:
+        raise ValueError(f"distill_weight λ must be in [0, 1] (0: no distillation), got {o.distill_weight}")
     options = dict(local_loss=o.local_loss, gather_with_grad=o.gather_with_grad, rank=o.rank, world_size=o.world_size)
     if o.distill_weight:
         return MobileClipLoss(o.distill_weight, o.reference_logit_scale, **options)
@@ -266,7 +268,8 @@ def sogclr(o):
     inactive=_global_temperature_and_distill_inactive)
 def fastclip(o):
     if not o.learn_temperature:
-        raise ValueError("fastclip learns τ; for a fixed τ use the loss sogclr")
+        raise ValueError("fastclip learns τ; for a fixed τ use the loss sogclr, or with distill_weight the loss drrho "
+                         "with reference_weight 0 (the same DRO, unshifted) and learn_temperature off")
     return _dro(o, reference_shift=False)
 
 
@@ -353,4 +356,7 @@ def jest(o):
     'jest-topk', reference='required', defaults=JEST_OPTIONS, run_options=(*CLIP, 'seed'),
     help="JEST (top-k): as jest, but chunks after the first take the most learnable candidates instead of drawing")
 def jest_topk(o):
+    if o.num_chunks == 1:
+        raise ValueError("jest-topk takes the chunks after the first by top-k, and with num_chunks 1 there are none: "
+                         "it would be jest; use the loss jest, or num_chunks ≥ 2")
     return _jest(o, topk=True)

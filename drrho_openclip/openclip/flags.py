@@ -165,6 +165,18 @@ def check_args(args, parser) -> Run:
     for option in given:
         if option in unread:
             parser.error(f"{flag(option)} has no effect for --loss {args.loss} with these flags ({unread[option]})")
+    supplied = spec.run_options
+    warnings = []
+    ignored = [f for option, f in OPENCLIP_LOSS_FLAGS.items() if getattr(args, option) and option not in supplied]
+    if ignored:
+        warnings.append(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "
+                        f"always the local samples and its candidates the global batch, gathered with gradient")
+    stand_in = dict(num_samples=1, rank=0, world_size=1, embed_dim=1, local_loss=args.local_loss,
+                    gather_with_grad=args.gather_with_grad, seed=args.seed)
+    try:  # the loss's own checks, on a stand-in of the run's sizes
+        loss = create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})
+    except ValueError as e:
+        parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
     reads_reference = needs_reference(spec, options)
     uses_reference = args.ref_features is not None or args.ref_model is not None
     if reads_reference and not uses_reference and trains(args):  # evaluating: the loss is not called
@@ -181,18 +193,6 @@ def check_args(args, parser) -> Run:
     problem = args.ref_model and pretrained_problem(args.ref_model, args.ref_pretrained)
     if problem:
         parser.error(f"--ref-pretrained: {problem}")
-    supplied = spec.run_options
-    warnings = []
-    ignored = [f for option, f in OPENCLIP_LOSS_FLAGS.items() if getattr(args, option) and option not in supplied]
-    if ignored:
-        warnings.append(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "
-                        f"always the local samples and its candidates the global batch, gathered with gradient")
-    stand_in = dict(num_samples=1, rank=0, world_size=1, embed_dim=1, local_loss=args.local_loss,
-                    gather_with_grad=args.gather_with_grad, seed=args.seed)
-    try:  # the loss's own checks, on a stand-in of the run's sizes
-        loss = create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})
-    except ValueError as e:
-        parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
     keeps_state = bool(per_sample_tables(loss))
     if hasattr(loss, 'chunk_sizes'):  # JEST: what it keeps of a rank's super-batch must fill every chunk
         try:  # under accumulation OpenCLIP hands the loss the whole window
