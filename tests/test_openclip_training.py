@@ -155,6 +155,22 @@ def test_a_plain_clip_checkpoint_is_named_and_the_advice_to_start_from_it_works(
     assert all(torch.equal(started[k], trained[k]) for k in trained)
 
 
+def test_distillation_can_be_added_or_dropped_on_resume_whatever_its_teacher_scale(shapes, tmp_path):
+    """KD's 'auto' teacher scale is chosen on the first batch, no state of the samples: adding KD to a run chooses it
+    then, dropping KD leaves it; both resumed only where the scale was a given number."""
+    kd = ('--loss', 'clip', '--distill-weight', '0.5', '--ref-features', shapes['ref'])
+    run_openclip(train_args(shapes, tmp_path, 'plain', '--loss', 'clip'))
+    added = run_openclip(train_args(shapes, tmp_path, 'kd', *kd, '--resume',
+                                    tmp_path / 'plain' / 'checkpoints' / 'epoch_1.pt', epochs=2))
+    assert 1 < checkpoint(tmp_path, 'kd', 2)['loss_state']['teacher_logit_scale.value'] < 100, added.stderr[-2000:]
+    dropped = run_openclip(train_args(shapes, tmp_path, 'dropped', '--loss', 'clip', '--resume',
+                                      tmp_path / 'kd' / 'checkpoints' / 'epoch_2.pt', epochs=3))
+    assert checkpoint(tmp_path, 'dropped', 3)['epoch'] == 3
+    # a change of options, said as one; clip keeps no per-sample state for the reference to have shifted
+    assert 'resuming with --distill-weight 0.5 -> 0' in dropped.stderr, dropped.stderr[-2000:]
+    assert 'per-sample state' not in dropped.stderr
+
+
 def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(shapes, tmp_path):
     """Checkpoints written before they recorded their run: the loss state's entries tell another loss."""
     run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..losses import ATTACHED_PREFIX, attached_names, load_state_shards, per_sample_tables, save_state_shards
+from ..losses import (ATTACHED_PREFIX, TEACHER_SCALE_STATE_KEY, attached_names, load_state_shards, per_sample_tables,
+                      save_state_shards)
 from .flags import CHOSEN_BY_THE_RUN, csv_fingerprint_as_written, flag, trains
 from .run import Run
 
@@ -124,10 +125,11 @@ def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
     record = saved.get(RUN_KEY)
     if record is not None:
         _stop_on_another_run(record, run, args, weights)
-    own = set(loss.state_dict()) if loss is not None else set()
+    # KD added or dropped: its teacher's scale is chosen on the first batch, or left (`resolve_loss_state`)
+    own = set(loss.state_dict()) - {TEACHER_SCALE_STATE_KEY} if loss is not None else set()
     tables = set(per_sample_tables(loss)) if loss is not None else set()
     # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
-    saved = set(saved) - {SHARDS_KEY, RUN_KEY} | (tables if SHARDS_KEY in saved else set())
+    saved = set(saved) - {SHARDS_KEY, RUN_KEY, TEACHER_SCALE_STATE_KEY} | (tables if SHARDS_KEY in saved else set())
     # tables alone missing: the loss's own message says it, unless nothing records a run (OpenCLIP's own --loss clip,
     # whose model and optimizer differ too: torch would stop first, without the cause)
     plain = record is None and not saved
@@ -140,7 +142,7 @@ def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
                          f"{', ...' if len(differ) > 4 else ''}; the checkpoint has {len(saved)} entries, this loss "
                          f"{len(own)}). {_new_run(args, weights)}")
     if record is not None:  # once nothing stops the run: a change is not announced and then refused
-        _warn_of_changes(record, run, args)
+        _warn_of_changes(record, run, args, shifted_state=bool(tables) and getattr(loss, 'reference_shift', False))
 
 
 def _check_attached_sizes(loss, weights: dict, args):
@@ -173,14 +175,16 @@ def _stop_on_another_run(saved: dict, run: Run, args, weights: dict):
                          f"state. Resume with the data and store it was trained with. {new_run}")
 
 
-def _warn_of_changes(saved: dict, run: Run, args):
+def _warn_of_changes(saved: dict, run: Run, args, shifted_state: bool):
     """What the resumed run changes of the one that wrote the checkpoint (its RUN_KEY), as warnings: another reference
-    model, another global batch, another length, other loss options."""
+    model, another global batch, another length, other loss options. `shifted_state`: this run's loss keeps
+    per-sample state of a reference-shifted loss."""
     resume = f"drrho-openclip: --resume '{args.resume}'"
     if saved.get('reference') != run.provenance.get('reference'):
         logging.warning(f"{resume} was trained with {saved.get('reference') or 'no reference model'}, this run "
-                        f"reads {run.provenance.get('reference') or 'none'}: its per-sample state was estimated "
-                        f"under the other reference's shift, and follows this one's within about an epoch")
+                        f"reads {run.provenance.get('reference') or 'none'}" +
+                        (": its per-sample state was estimated under the other reference's shift, and follows this "
+                         "one's within about an epoch" if shifted_state else ""))
     batch = run.provenance.get('global_batch')
     if saved.get('global_batch') not in (None, batch):
         logging.warning(f"{resume} was trained at global batch {saved['global_batch']}, this run's is {batch} "
@@ -223,6 +227,11 @@ def resolve_loss_state(run: Run, loss, loss_state, args):
     if remote:
         check_loss_state(loss_state, None if run.plain_clip else loss, run, args, weights={})
     loss_state = {k: v for k, v in loss_state.items() if k != RUN_KEY}
+    own = loss.state_dict()
+    if TEACHER_SCALE_STATE_KEY in own and TEACHER_SCALE_STATE_KEY not in loss_state:  # KD added: chosen anew
+        loss_state[TEACHER_SCALE_STATE_KEY] = own[TEACHER_SCALE_STATE_KEY]
+    if TEACHER_SCALE_STATE_KEY not in own:  # KD dropped, or its scale given: nothing to restore
+        loss_state.pop(TEACHER_SCALE_STATE_KEY, None)
     manifest = loss_state.get(SHARDS_KEY)
     if manifest is None:
         return loss_state
