@@ -97,6 +97,9 @@ def test_help_lists_the_losses_in_the_plugins_own_group():
     starts = [line.split()[0] for line in listed if not line.startswith(' ' * 5)]  # continuation lines are indented
     assert starts == list_losses()  # a description per loss, each starting a line of its own
     assert all(len(line) <= 78 for line in listed)
+    losses = ' '.join(' '.join(listed).split())
+    # the papers' baselines that are a flag of another loss, and option names as the user types them
+    assert "or with --distill-weight > 0 MobileCLIP's" in losses and '(--reference-weight 1)' in losses
 
 
 def test_help_names_the_losses_that_read_each_flag_with_their_defaults():

@@ -206,8 +206,8 @@ def _dro(o, reference_shift, temperature=None, sharding=None, **core_options):
 
 @register_loss('clip', reference='optional', defaults=DISTILL_OPTIONS, run_options=CLIP,
                inactive=_distill_inactive,
-               help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged); with distill_weight > 0, "
-                    "MobileCLIP: (1−λ) CLIP + λ KD from the reference model")
+               help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged), or with distill_weight > 0 "
+                    "MobileCLIP's: (1−λ) CLIP + λ KD from the reference model")
 def clip(o):
     if not 0 <= o.distill_weight <= 1:
         raise ValueError(f"distill_weight λ must be in [0, 1] (0: no distillation), got {o.distill_weight}")
