@@ -95,9 +95,9 @@ class OnlineReference:
         theirs, ours = _sizes(self.model), _sizes(learner)
         for key in theirs:
             if theirs[key] != ours[key]:
-                raise ValueError(f"--ref-model {args.ref_model} has {key} {theirs[key]}, the learner {ours[key]} (with "
-                                 f"--force-* flags applied): it cannot read the learner's batches; precompute its "
-                                 f"features with drrho-openclip-features")
+                raise SystemExit(f"drrho-openclip: --ref-model {args.ref_model} has {key} {theirs[key]}, the learner "
+                                 f"{ours[key]} (with --force-* flags applied): it cannot read the learner's batches; "
+                                 f"precompute its features with drrho-openclip-features")
         self.renormalize = None
         learner_cfg, cfg = learner.visual.preprocess_cfg, self.model.visual.preprocess_cfg
         if not all(_same_values(learner_cfg[k], cfg[k]) for k in ('mean', 'std')):
