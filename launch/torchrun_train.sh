@@ -38,7 +38,9 @@ case "$LOSS" in clip|jest|jest-topk) cmd+=(--local-loss --gather-with-grad) ;; e
 # TRAIN_ARGS: split on spaces and newlines, quotes not read (an argument with a space goes on the command line);
 # set empty for none. -d '': every line, not the first; read then ends at the input's end, with status 1
 read -ra extra -d '' <<< "$TRAIN_ARGS" || true
-cmd+=("${extra[@]}" "$@")   # later flags win: arguments of this script override the settings
+# later flags win: arguments of this script override the settings (`${x[@]+...}`: under set -u, bash < 4.4 takes an
+# empty array for an unbound variable)
+cmd+=(${extra[@]+"${extra[@]}"} "$@")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo
