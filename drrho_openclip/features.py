@@ -51,6 +51,7 @@ import socket
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from stat import S_ISREG
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -62,6 +63,7 @@ LOCK = 'finalize.lock'
 FORMAT_VERSION = 1
 DTYPES = {'float16': np.float16, 'float32': np.float32, 'int8': np.int8}
 UNIT_NORM_TOLERANCE = 0.02  # float16 and int8 rounding move a norm by < 1e-2
+NPY_HEADER_BYTES = 64  # the least header of a .npy file (numpy pads it to a multiple of 64 bytes)
 
 
 class FeatureStoreError(ValueError):
@@ -220,7 +222,9 @@ class FeatureStore:
         self._offsets = np.array([s.offset for s in self.shards], dtype=np.int64)
 
     @classmethod
-    def open(cls, root) -> 'FeatureStore':
+    def open(cls, root, check_sizes: bool = True) -> 'FeatureStore':
+        """The store at `root`, its manifest and files checked (with `check_sizes`, that no feature file is cut
+        short; `verify` reports such a file per shard instead)."""
         root = Path(root)
         path = root / MANIFEST
         if not root.is_dir():
@@ -240,10 +244,23 @@ class FeatureStore:
             store = cls(root, manifest)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise FeatureStoreError(f"'{path}' is corrupt: {e!r}") from e
+        # bytes per sample of the arrays whose size the manifest fixes (a keys file's depends on its keys)
+        itemsize = 0 if store.keys_only else np.dtype(DTYPES[store.dtype]).itemsize
+        row_bytes = {'.features.npy': 2 * store.dim * itemsize, '.scales.npy': 2 * 4}
         for shard in store.shards:
             for file in shard_files(shard.name, store.dtype):
-                if not (root / file).is_file():
+                try:  # one stat per file: a store of 10^4 shards on a network file system opens at every start
+                    stat = (root / file).stat()
+                except FileNotFoundError:
+                    stat = None
+                if stat is None or not S_ISREG(stat.st_mode):
                     raise FeatureStoreError(f"shard '{shard.name}' of '{root}': file '{file}' is missing")
+                # a copy cut short is found here, not at the first batch that reads the shard
+                least = NPY_HEADER_BYTES + shard.count * row_bytes.get(file[len(shard.name):], 0)
+                if check_sizes and stat.st_size < least:
+                    raise FeatureStoreError(f"shard '{shard.name}' of '{root}': file '{file}' is cut short "
+                                            f"({stat.st_size} bytes, its {shard.count} samples need at least {least}): "
+                                            f"an unfinished copy? `drrho-openclip-features verify` checks the store")
         return store
 
     def shard(self, name: str) -> Shard:

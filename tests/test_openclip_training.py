@@ -576,7 +576,12 @@ def test_corrupt_feature_file_names_the_shard(shapes, tmp_path):
     broken = tmp_path / 'ref'
     shutil.copytree(shapes['ref'], broken)
     path = broken / 'train.features.npy'
-    path.write_bytes(path.read_bytes()[:200])
+    content = path.read_bytes()
+    path.write_bytes(content[:200])  # cut short: found at start-up
+    result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', broken), check=False)
+    assert result.returncode == 2 and (f"shard 'train' of '{broken}': file 'train.features.npy' is cut short (200 "
+                                       f"bytes, its ") in result.stderr, result.stderr[-2000:]
+    path.write_bytes(b'x' * len(content))  # not a .npy file: found where the shard is read
     result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', broken), check=False)
     assert result.returncode != 0 and "shard 'train'" in result.stderr and 'train.features.npy' in result.stderr
 
