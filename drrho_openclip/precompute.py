@@ -18,9 +18,9 @@ order, nothing decoded), so both kinds of store give every sample the same index
 cannot be decoded: a feature store leaves it out, a keys-only store (which decodes nothing) keeps its slot.
 
 Many processes: `--num-parts P --part I` computes the I-th of P contiguous slices of the shard list (by default from
-torchrun's RANK/WORLD_SIZE, a SLURM job array's task id and count, or the tasks of an `srun -n N`). Every part writes into `<output>.partial/`;
-the part that finds every shard there finishes the store (or `--finalize --output DIR` does). Finished shards are
-skipped, so running the same command again resumes a killed run.
+torchrun's RANK/WORLD_SIZE, a SLURM job array's task id and count, or the tasks of an `srun -n N`). Every part writes
+into `<output>.partial/`; the part that finds every shard there finishes the store (or `--finalize --output DIR`
+does). Finished shards are skipped, so running the same command again resumes a killed run.
 """
 import argparse
 import logging

@@ -103,8 +103,8 @@ def _check_nothing_to_resume(folder: Path):
     if newest is not None:
         raise SystemExit(f"drrho-openclip: --resume latest with --save-most-recent found no epoch_latest.pt in "
                          f"'{folder}', but '{newest}' holds an epoch of the run, which a start from scratch would "
-                         f"overwrite: run once without --save-most-recent, which resumes from the newest epoch_N.pt (the "
-                         f"launch scripts add it: run the command DRY_RUN=1 prints, without it)")
+                         f"overwrite: run once without --save-most-recent, which resumes from the newest "
+                         f"epoch_N.pt (the launch scripts add it: run the command DRY_RUN=1 prints, without it)")
 
 
 def _check_latest_is_newest(resumed: Path, epoch: int):

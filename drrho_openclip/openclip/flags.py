@@ -99,7 +99,8 @@ def _description(width: int) -> str:
                           "one; each flag below names the losses that read it, with their defaults, and a flag the "
                           "chosen loss does not read stops the run at start-up.", width)
     column = max(map(len, list_losses())) + 2
-    lines = [textwrap.fill(in_flag_spelling(summary(get_loss_spec(name).help)), width, initial_indent=f"  {name:<{column}}",
+    lines = [textwrap.fill(in_flag_spelling(summary(get_loss_spec(name).help)), width,
+                           initial_indent=f"  {name:<{column}}",
                            subsequent_indent=' ' * (column + 2)) for name in list_losses()]
     return intro + '\n\nLosses:\n' + '\n'.join(lines)
 

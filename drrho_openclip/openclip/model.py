@@ -50,10 +50,10 @@ def configure_model(run: Run, model, args):
     attaches them to the model. Everything the loss holds (per-sample tables, attached modules) and the online
     reference model go to the model's device, where OpenCLIP has already put the model. A τ the loss does not learn
     through logit_scale freezes the model's logit_scale, at log 1/(the starting τ) where one is given and the run
-    trains (an 'auto' τ, chosen at the first batch, leaves OpenCLIP's initial value, an evaluation the loaded one): DDP must not wait for a gradient it never gets.
-    OpenCLIP's logged scale then stays there (clamped to at most 100); the τ in force is the loss's own metric
-    (train/tau_image_mean). A checkpoint to resume whose loss state is not this loss's stops the
-    run here."""
+    trains (an 'auto' τ, chosen at the first batch, leaves OpenCLIP's initial value, an evaluation the loaded one):
+    DDP must not wait for a gradient it never gets. OpenCLIP's logged scale then stays there (clamped to at most
+    100); the τ in force is the loss's own metric (train/tau_image_mean). A checkpoint to resume whose loss state is
+    not this loss's stops the run here."""
     # with --accum-freq the loop calls the loss on the whole window: accum_freq batches on every rank
     local_batch = args.batch_size * args.accum_freq
     run.provenance['global_batch'] = local_batch * args.world_size  # world_size: set once the processes start
