@@ -160,11 +160,31 @@ def caption_mismatch(shard, digest: str, args) -> Optional[str]:
             f"features describe other texts; write the store again for these captions")
 
 
+def _grouped(members):
+    """Tar members grouped into samples as OpenCLIP's training groups them: consecutive members of one key make a
+    sample, and a member whose extension its sample already holds starts another sample of the same key (where
+    webdataset's own grouping raises)."""
+    from webdataset.tariterators import base_plus_ext, valid_sample
+    sample = None
+    for member in members:
+        key, extension = base_plus_ext(member['fname'])
+        if key is None:
+            continue
+        extension = extension.lower()
+        if sample is None or key != sample['__key__'] or extension in sample:
+            if valid_sample(sample):
+                yield sample
+            sample = {'__key__': key, '__url__': member['__url__']}
+        sample[extension] = member['data']
+    if valid_sample(sample):
+        yield sample
+
+
 def _raw_samples(url):
     """The image-text samples of one tar shard, in file order, undecoded (what OpenCLIP's training filter keeps)."""
-    import webdataset as wds
+    from webdataset.tariterators import tar_file_expander, url_opener
     # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
-    for sample in wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples()):
+    for sample in _grouped(tar_file_expander(url_opener([{'url': url}]))):
         if 'txt' in sample and any(e in sample for e in IMAGE_EXTENSIONS):
             yield sample
 

@@ -278,7 +278,7 @@ def _compute(args, shards, writer, encoder):
                                               batch_size=None, num_workers=args.workers,
                                               pin_memory=_is_cuda(args.device))
     encoded = {}  # shard name -> its (keys, image features, text features) batches so far
-    url_of = dict(shards)
+    url_of, empty, dim = dict(shards), [], None
     progress = tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
                     dynamic_ncols=True)
     samples, start = 0, time.perf_counter()
@@ -289,10 +289,14 @@ def _compute(args, shards, writer, encoder):
             progress.update(len(keys))
             continue
         parts = encoded.pop(name, None)
-        if not parts:
-            raise SystemExit(f"shard '{name}' holds no image-text samples")
-        keys, (image, text) = [k for p in parts for k in p[0]], _fetch(parts, args.device)
         csv = args.dataset_type == 'csv'
+        if not parts and csv:
+            raise SystemExit(f"--train-data '{url_of[name]}' holds no image-text samples")
+        if not parts:  # img2dataset's shard where every download failed: written once the features' size is known
+            empty.append(name)
+            continue
+        keys, (image, text) = [k for p in parts for k in p[0]], _fetch(parts, args.device)
+        dim = image.shape[1]
         try:  # a reference with a NaN in its weights (or a zero feature) is found at its first shard, not at verify
             check_rows(name, keys, image, text, normalize_hint='the encoders normalise theirs')
         except FeatureStoreError as e:
@@ -301,7 +305,18 @@ def _compute(args, shards, writer, encoder):
         _add_shard(writer, url_of[name], name, keys, image, text, rows_are_index=csv)
         progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     progress.close()
+    for name in empty:
+        dim = dim or writer.dim or _feature_dim(encoder, args.device)
+        none = np.zeros((0, dim), np.float32)
+        _add_shard(writer, url_of[name], name, [], none, none)
     return samples, time.perf_counter() - start
+
+
+def _feature_dim(encoder, device) -> int:
+    """The size of the encoder's features, from one blank image (for a store whose shards hold no sample yet)."""
+    model, preprocess, tokenizer = encoder
+    with torch.no_grad():
+        return _encode(model, preprocess(Image.new('RGB', (8, 8)))[None], tokenizer(['']), device)[0].shape[1]
 
 
 def _write_keys(args, shards, writer) -> int:
@@ -310,9 +325,7 @@ def _write_keys(args, shards, writer) -> int:
     keys_of_shards = torch.utils.data.DataLoader(_ShardKeys(shards), batch_size=None, num_workers=args.workers)
     for name, keys in tqdm(keys_of_shards, total=len(shards), unit='shard', desc=f'part {args.part}/{args.num_parts}',
                            dynamic_ncols=True):
-        if not keys:
-            raise SystemExit(f"shard '{name}' holds no image-text samples")
-        _add_shard(writer, url_of[name], name, keys)
+        _add_shard(writer, url_of[name], name, keys)  # none: img2dataset's shard where every download failed
         samples += len(keys)
     return samples
 

@@ -254,14 +254,17 @@ def test_a_reference_that_gives_non_finite_features_stops_precompute_at_its_firs
         assert FeatureStoreWriter.resume(tmp_path / dtype).shards == []
 
 
-def test_a_shard_that_repeats_a_sample_key_is_named_as_the_datas_fault(data, tmp_path):
+@pytest.mark.parametrize('order', [
+    lambda members: members + members[:2],  # the first sample again at the end
+    lambda members: members[:2] + members,  # again right after itself: OpenCLIP's training reads two samples
+])
+def test_a_shard_that_repeats_a_sample_key_is_named_as_the_datas_fault(data, tmp_path, order):
     """Training finds a tar sample's features by its key, so a key twice in a shard has no one row: precompute stops
     at that shard (features or keys only), says the data repeats it, and writes nothing of the shard."""
     source = data['root'] / 'shard-0.tar'
     repeated = tmp_path / 'shard-0.tar'
     with tarfile.open(source) as tar, tarfile.open(repeated, 'w') as out:
-        members = tar.getmembers()
-        for member in members + members[:2]:  # the first sample again, at the end: not grouped with its first
+        for member in order(tar.getmembers()):
             out.addfile(member, tar.extractfile(member))
     argv = [str(a) for a in data['args']]
     argv[argv.index('--train-data') + 1] = str(repeated)
@@ -272,6 +275,22 @@ def test_a_shard_that_repeats_a_sample_key_is_named_as_the_datas_fault(data, tmp
         assert str(stop.value) == (f"--train-data '{repeated}': shard 'shard-0': sample key '0/sample-000' appears "
                                    f"more than once; nothing of the shard was written")
         assert FeatureStoreWriter.resume(output).shards == []
+
+
+def test_an_empty_shard_is_a_shard_of_no_samples(data, tmp_path):
+    """img2dataset writes a shard with no sample where every download of it failed, and OpenCLIP trains through it:
+    the store holds it with no sample, so that it covers the data."""
+    empty = tmp_path / 'shard-9.tar'
+    tarfile.open(empty, 'w').close()
+    urls = f"{data['urls']}::{empty}"
+    argv = [str(a) for a in data['args']]
+    argv[argv.index('--train-data') + 1] = urls
+    for flags in (argv, ['--keys-only', '--train-data', urls]):
+        output = tmp_path / f'ref-{len(flags)}'
+        assert precompute.main(flags + ['--output', str(output)]) == 0
+        store = FeatureStore.open(output)
+        assert store.shard('shard-9').count == 0 and store.num_samples == sum(SIZES)
+        assert precompute.main(['verify', str(output), '--train-data', urls]) == 0
 
 
 def test_precompute_writes_int8(data, tmp_path, capsys):
