@@ -332,41 +332,43 @@ def test_resuming_a_finished_run_says_it_trains_nothing(shapes, tmp_path):
     assert (tmp_path / 'longer' / 'checkpoints' / 'epoch_2.pt').exists()
 
 
-def test_resume_latest_refuses_what_openclip_picks_by_name_over_the_newest_epoch(shapes, tmp_path):
-    """OpenCLIP's --resume latest is the last *.pt by name: a stale epoch_latest.pt (an earlier run with
-    --save-most-recent) came before a later epoch_N.pt, which was trained again and overwritten; a tmp.pt left by a
-    killed save came before everything, and ended in torch's traceback; with --save-most-recent and no
-    epoch_latest.pt, the run started from scratch over the epochs there."""
-    args = train_args(shapes, tmp_path, 'run', '--loss', 'sogclr', '--save-most-recent', epochs=2)
+def test_resume_latest_takes_the_newest_complete_checkpoint_over_what_openclip_picks(shapes, tmp_path):
+    """OpenCLIP's --resume latest with --save-most-recent is epoch_latest.pt, an epoch behind epoch_N.pt when a save
+    was killed while writing it (through tmp.pt), and none once it is gone (the run then started from scratch over
+    the epochs there); without --save-most-recent, the last *.pt by name: a tmp.pt, or a stale epoch_latest.pt before
+    later epochs. Each was refused, or trained over good epochs; the run now resumes from its newest whole file."""
+    args = train_args(shapes, tmp_path, 'run', '--loss', 'sogclr', '--save-most-recent', '--resume', 'latest',
+                      epochs=2)
     run_openclip(args)
     folder = tmp_path / 'run' / 'checkpoints'
-    (folder / 'epoch_latest.pt').write_bytes((folder / 'epoch_1.pt').read_bytes())  # stale: epoch 1
-    again = [*args, '--resume', 'latest']
-    again.remove('--save-most-recent')
-    again[again.index('--epochs') + 1] = '3'
     digest = hashlib.sha256((folder / 'epoch_2.pt').read_bytes()).hexdigest()
-    result = run_openclip(again, check=False)
-    assert result.returncode != 0
-    assert (f"--resume latest found '{folder / 'epoch_latest.pt'}' (epoch 1), but '{folder / 'epoch_2.pt'}' holds a "
-            f"later epoch of the run") in result.stderr, result.stderr[-2000:]
-    assert hashlib.sha256((folder / 'epoch_2.pt').read_bytes()).hexdigest() == digest
-    (folder / 'epoch_latest.pt').unlink()
+    # killed while saving epoch 2's epoch_latest.pt: epoch_2.pt written, epoch_latest.pt still epoch 1's
+    (folder / 'epoch_latest.pt').write_bytes((folder / 'epoch_1.pt').read_bytes())
     (folder / 'tmp.pt').write_bytes(b'half a checkpoint')
-    result = run_openclip(again, check=False)
-    assert result.returncode != 0
-    assert f"--resume latest found '{folder / 'tmp.pt'}', the file OpenCLIP writes epoch_latest.pt through" in \
-        result.stderr, result.stderr[-2000:]
-    assert not (folder / 'epoch_3.pt').exists()
-    # with --save-most-recent OpenCLIP looks for epoch_latest.pt only: without it, it started from scratch and
-    # overwrote epoch_1.pt and epoch_2.pt
-    (folder / 'tmp.pt').unlink()
-    result = run_openclip([*again, '--save-most-recent'], check=False)
-    assert result.returncode != 0
-    assert (f"--resume latest with --save-most-recent found no epoch_latest.pt in '{folder}', but "
-            f"'{folder / 'epoch_2.pt'}' holds an epoch of the run") in result.stderr, result.stderr[-2000:]
+    again = [*args]
+    again[again.index('--epochs') + 1] = '3'
+    for without in ((), ('--save-most-recent',)):
+        result = run_openclip([a for a in again if a not in without])
+        assert (f"--resume latest resumes from '{folder / 'epoch_2.pt'}', the newest complete checkpoint of the run, "
+                f"where OpenCLIP picked '{folder / ('epoch_latest.pt' if not without else 'tmp.pt')}'") in \
+            result.stderr, result.stderr[-2000:]
+        assert checkpoint(tmp_path, 'run', 3)['epoch'] == 3
+        assert hashlib.sha256((folder / 'epoch_2.pt').read_bytes()).hexdigest() == digest
+        (folder / 'epoch_3.pt').unlink()
+        (folder / 'epoch_latest.pt').write_bytes((folder / 'epoch_1.pt').read_bytes())
+        (folder / 'tmp.pt').write_bytes(b'half a checkpoint')  # the finished save renamed the last one
+    # --save-most-recent and no epoch_latest.pt: from epoch_2.pt, not from scratch over it
+    (folder / 'epoch_latest.pt').unlink()
+    result = run_openclip(again)
+    assert "where OpenCLIP picked none" in result.stderr and checkpoint(tmp_path, 'run', 3)['epoch'] == 3
     assert hashlib.sha256((folder / 'epoch_2.pt').read_bytes()).hexdigest() == digest
-    run_openclip(again)  # what the messages advise: resumes from epoch 2
-    assert checkpoint(tmp_path, 'run', 3)['epoch'] == 3
+    # a killed first save and nothing else: a start from scratch (it was torch's traceback)
+    fresh = tmp_path / 'fresh' / 'checkpoints'
+    fresh.mkdir(parents=True)
+    (fresh / 'tmp.pt').write_bytes(b'half a checkpoint')
+    result = run_openclip(train_args(shapes, tmp_path, 'fresh', '--loss', 'sogclr', '--resume', 'latest'))
+    assert '--resume latest starts from scratch: the run has no complete checkpoint' in result.stderr
+    assert checkpoint(tmp_path, 'fresh', 1)['epoch'] == 1
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks(shapes, tmp_path):

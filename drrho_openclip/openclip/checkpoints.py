@@ -29,7 +29,6 @@ SHARD_SET_SUFFIX = '.loss_state'
 # a set, or the staging (.tmp-) or replaced (.old-) directory a killed save left behind
 SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.(?:tmp|old)-[0-9a-f]+)?')
 EPOCH_CHECKPOINT = re.compile(r'epoch_(\d+)\.pt')
-OPENCLIP_SAVE_TMP = 'tmp.pt'  # main.py saves epoch_latest.pt to this name first, then renames it
 
 
 def _sharded(loss) -> bool:
@@ -59,17 +58,12 @@ def check_resumed_loss(loss, run: Run, args):
     --loss or other state flags, whose optimizer groups and state differ too, which torch reports without the
     cause. So does one whose per-sample state is of other samples (`_stop_on_another_run`). Local files here; a remote
     checkpoint is read once, by OpenCLIP, and its loss state checked when it arrives (`resolve_loss_state`)."""
-    if run.resume_latest and not args.resume and args.save_most_recent:
-        _check_nothing_to_resume(Path(args.checkpoint_path))
+    if run.resume_latest and (not args.resume or os.path.isfile(args.resume)):  # a remote one: OpenCLIP's pick
+        _resume_the_newest_complete_checkpoint(Path(args.checkpoint_path), args)
     if not args.resume or not os.path.isfile(args.resume):
         return
-    if run.resume_latest and Path(args.resume).name == OPENCLIP_SAVE_TMP:
-        raise SystemExit(f"drrho-openclip: --resume latest found '{args.resume}', the file OpenCLIP writes "
-                         f"epoch_latest.pt through, left by a save that did not finish: delete it and start again")
     loss_name = run.loss_name
     checkpoint = _checkpoint_of(args.resume)  # read once (memory-mapped) for every check below
-    if run.resume_latest:
-        _check_latest_is_newest(Path(args.resume), checkpoint.get('epoch', 0))
     weights = {k.removeprefix('module.'): v for k, v in checkpoint.get('state_dict', {}).items()}
     if loss is not None:
         _check_attached_sizes(loss, weights, args)
@@ -89,34 +83,27 @@ def check_resumed_loss(loss, run: Run, args):
     check_loss_state(checkpoint.get('loss_state') or {}, loss, run, args, weights)
 
 
-def _newest_epoch_after(folder: Path, epoch: int) -> Path | None:
-    """The epoch_N.pt in `folder` of the largest N > `epoch`, if any."""
-    later = [(int(m.group(1)), path) for path in folder.glob('epoch_*.pt')
-             for m in [EPOCH_CHECKPOINT.fullmatch(path.name)] if m and int(m.group(1)) > epoch]
-    return max(later)[1] if later else None
-
-
-def _check_nothing_to_resume(folder: Path):
-    """With --save-most-recent, OpenCLIP's `--resume latest` looks for epoch_latest.pt only: without it (a run of the
-    name that saved none, or a deleted file) the run starts from scratch and overwrites the epochs it finds."""
-    newest = _newest_epoch_after(folder, 0)
-    if newest is not None:
-        raise SystemExit(f"drrho-openclip: --resume latest with --save-most-recent found no epoch_latest.pt in "
-                         f"'{folder}', but '{newest}' holds an epoch of the run, which a start from scratch would "
-                         f"overwrite: run once without --save-most-recent, which resumes from the newest "
-                         f"epoch_N.pt (the launch scripts add it: run the command DRY_RUN=1 prints, without it)")
-
-
-def _check_latest_is_newest(resumed: Path, epoch: int):
-    """OpenCLIP's `--resume latest` is the last *.pt file by name, where epoch_latest.pt follows every epoch_N.pt:
-    one left by an earlier run with --save-most-recent is chosen over the later epochs of a run without it, which
-    would then be trained again and overwritten."""
-    newest = _newest_epoch_after(resumed.parent, epoch)
-    if newest is not None:
-        raise SystemExit(f"drrho-openclip: --resume latest found '{resumed}' (epoch {epoch}), but '{newest}' holds a "
-                         f"later epoch of the run: OpenCLIP's latest is the last file by name, here one left by an "
-                         f"earlier run with --save-most-recent. Remove the stale file and run again (and keep "
-                         f"--save-most-recent on in every run of the name, or off in all)")
+def _resume_the_newest_complete_checkpoint(folder: Path, args):
+    """`--resume latest` from the newest complete checkpoint of the run (every rank, before the checkpoint is read).
+    OpenCLIP's pick can be another: with --save-most-recent it is epoch_latest.pt, which a save killed while writing
+    it (through tmp.pt) leaves an epoch behind epoch_N.pt, and without which the run starts from scratch over the
+    epochs there; without it, the last *.pt by name, where a stale epoch_latest.pt of an earlier run comes before
+    later epochs and a tmp.pt left by a killed save before everything. Every epoch_N.pt and epoch_latest.pt is
+    whole (written to a temporary name, then renamed); tmp.pt never is."""
+    complete = [(int(m.group(1)), path) for path in folder.glob('epoch_*.pt')
+                for m in [EPOCH_CHECKPOINT.fullmatch(path.name)] if m]
+    latest = folder / 'epoch_latest.pt'
+    if latest.is_file():  # after an epoch_N.pt of its epoch: what OpenCLIP picks where both are there
+        complete.append((_checkpoint_of(latest).get('epoch', 0) + 0.5, latest))
+    newest = str(max(complete)[1]) if complete else None
+    if newest != args.resume:
+        picked = f"'{args.resume}'" if args.resume else 'none'
+        logging.warning(f"drrho-openclip: --resume latest resumes from '{newest}', the newest complete checkpoint of "
+                        f"the run, where OpenCLIP picked {picked} (a save that did not finish, an epoch_latest.pt "
+                        f"older than the epochs there, or none with --save-most-recent)" if newest else
+                        f"drrho-openclip: --resume latest starts from scratch: the run has no complete checkpoint, "
+                        f"and OpenCLIP picked '{args.resume}', left by a save that did not finish")
+        args.resume = newest
 
 
 def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
