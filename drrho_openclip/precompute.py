@@ -361,8 +361,9 @@ def _finalize(writer, explicit: bool) -> int:
                f"is running, delete that file and run --finalize)")
     if explicit:
         raise SystemExit(message)
-    logging.warning(message)
-    return 0
+    # no store at --output: a job chain must not count this part as the end of a finished precompute
+    logging.error(f"{message}; no store was written to {writer.final} yet")
+    return 1
 
 
 def main(argv=None):

@@ -412,8 +412,9 @@ def test_a_part_that_finds_the_store_being_finished_waits_for_it(tmp_path, monke
     (tmp_path / 'ref2.partial' / LOCK).touch()  # held by a process that died
     monkeypatch.setattr(precompute, 'FINISH_WAIT_S', 0.3)
     caplog.clear()
-    assert precompute._finalize(again, explicit=False) == 0
+    assert precompute._finalize(again, explicit=False) == 1  # no store: a job chain must not go on to training
     assert "finalize.lock' exists: another process is finishing the store (or died doing so" in caplog.text
+    assert f"no store was written to {tmp_path / 'ref2'} yet" in caplog.text
 
 
 def test_a_part_whose_store_another_part_finished_says_so(data, tmp_path, monkeypatch, caplog):
