@@ -194,6 +194,26 @@ def test_a_faulty_input_names_the_shard_and_key_and_leaves_the_store_as_it_was(w
     assert not (tmp_path / 'ref.partial').exists()
 
 
+def test_an_import_stopped_while_it_replaces_a_store_leaves_the_old_one_in_place(wds, tmp_path, monkeypatch):
+    """Ctrl-C between the move of the old store aside and of the new one into place left neither at the output."""
+    import os
+    good = write_inputs(tmp_path / 'good', wds, 'npz')
+    import_store([good], data_keys(wds), tmp_path / 'ref', progress=False)
+    before = {f.name: f.read_bytes() for f in (tmp_path / 'ref').iterdir()}
+    real = os.replace
+
+    def interrupted(source, target):
+        if str(source).endswith('.partial'):  # the new store into place, after the old one was moved aside
+            raise KeyboardInterrupt
+        return real(source, target)
+    monkeypatch.setattr(os, 'replace', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        import_store([good], data_keys(wds), tmp_path / 'ref', overwrite=True, progress=False)
+    monkeypatch.setattr(os, 'replace', real)
+    assert {f.name: f.read_bytes() for f in (tmp_path / 'ref').iterdir()} == before
+    assert not (tmp_path / 'ref.partial').exists() and not (tmp_path / 'ref.previous').exists()
+
+
 def test_normalize_scales_the_rows_to_unit_norm(wds, tmp_path):
     inputs = write_inputs(tmp_path / 'feats', wds, 'npz', shuffle=False, with_keys=False)
     scaled = tmp_path / 'scaled'
