@@ -150,6 +150,36 @@ def caption_digests(args) -> dict:
     return {shard_name(args.train_data): sha256_of(read_csv(args)[args.csv_caption_key])}
 
 
+def image_sizes(args, images: Sequence[str] = None) -> dict:
+    """{store shard name: {row: size}} of a CSV's first, middle and last image files, as OpenCLIP opens them
+    (a relative path from the working directory), {} for WebDataset; `images`, the CSV's image column, where read.
+    A store records them: the same CSV read from another folder names other files by the same relative paths, whose
+    features the store does not hold."""
+    if args.dataset_type != 'csv':
+        return {}
+    images = list(read_csv(args)[args.csv_img_key]) if images is None else images
+    sizes = {}
+    for row in sorted({0, len(images) // 2, len(images) - 1} - {-1}):
+        try:
+            sizes[str(row)] = os.path.getsize(images[row])
+        except OSError:  # not there: training names it when it reads the row
+            pass
+    return {shard_name(args.train_data): sizes}
+
+
+def image_mismatch(shard, args, images: Sequence[str]) -> Optional[str]:
+    """Why the CSV's image files (`images`, its image column) are not those the store's `shard` was written from,
+    by the sizes it recorded (`image_sizes`), or None (also for a store that recorded none)."""
+    now = image_sizes(args, images)[shard.name]
+    for row, size in (shard.image_bytes or {}).items():
+        if now.get(row) != size:
+            return (f"row {row} of '{args.train_data}' names '{images[int(row)]}', of "
+                    f"{now.get(row, 'no')} bytes, where the store's features are of a file of {size} bytes: another "
+                    f"image by the same path (a relative path is read from the working directory, here "
+                    f"'{os.getcwd()}'): run from the folder the store was written in, or write it again")
+    return None
+
+
 def caption_mismatch(shard, digest: str, args) -> Optional[str]:
     """Why the store's `shard` was not written from the captions of `digest` (`caption_digests`), or None (also for
     a store that recorded none: written before stores did, or from WebDataset)."""

@@ -77,6 +77,7 @@ class Shard:
     offset: int
     source_bytes: Optional[int] = None  # the size of the data file it was written from, where that was a local file
     captions_sha256: Optional[str] = None  # a CSV's: the fingerprint of the captions its text features are of
+    image_bytes: Optional[Dict[str, int]] = None  # a CSV's: {row: size} of some of the images it was written from
 
 
 def shard_name(source: str) -> str:
@@ -193,6 +194,8 @@ def _describe(setting: str, value) -> str:
         return 'data files of other sizes'
     if setting == 'captions_sha256':
         return 'other captions'
+    if setting == 'image_bytes':
+        return 'other image files'
     if setting == 'dtype' and value is None:
         return 'keys only'
     return f"{setting} {value!r}"
@@ -212,7 +215,7 @@ class FeatureStore:
         offset = 0
         for entry in manifest['shards']:
             self.shards.append(Shard(entry['name'], int(entry['count']), offset, entry.get('source_bytes'),
-                                     entry.get('captions_sha256')))
+                                     entry.get('captions_sha256'), entry.get('image_bytes')))
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
@@ -361,7 +364,7 @@ def _check_replaceable(final: Path):
                             f"written there would replace what it holds; choose another output")
 
 
-SOURCE_KEYS = ('source_bytes', 'captions_sha256')  # what a store was written from, where its writer knew it
+SOURCE_KEYS = ('source_bytes', 'captions_sha256', 'image_bytes')  # what a store was written from, where its writer knew it
 
 
 def _differences(found: dict, wanted: dict) -> List[str]:
@@ -373,7 +376,8 @@ def _differences(found: dict, wanted: dict) -> List[str]:
 
 def finished_store_differences(root, model: Optional[str], pretrained: Optional[str], dtype: Optional[str],
                                shards: Sequence[str], source_bytes: Dict[str, int] = None,
-                               captions_sha256: Dict[str, str] = None) -> List[str]:
+                               captions_sha256: Dict[str, str] = None,
+                               image_bytes: Dict[str, Dict[str, int]] = None) -> List[str]:
     """How the finished store in `root` differs from the one a writer with these settings would write (the
     `FeatureStoreWriter` arguments): [] when it is that store, so that a rerun has nothing left to do."""
     path = _named(root) / MANIFEST
@@ -386,7 +390,8 @@ def finished_store_differences(root, model: Optional[str], pretrained: Optional[
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FeatureStoreError(f"'{path}' is not a store's manifest ({type(e).__name__}: {e})") from None
     wanted = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype, shards=list(shards),
-                  source_bytes=dict(source_bytes or {}), captions_sha256=dict(captions_sha256 or {}))
+                  source_bytes=dict(source_bytes or {}), captions_sha256=dict(captions_sha256 or {}),
+                  image_bytes=dict(image_bytes or {}))
     return _differences(found, wanted)
 
 
@@ -409,8 +414,9 @@ class FeatureStoreWriter:
     docstring). `add_shard` writes a shard's files atomically; run the rows through `check_rows` first when they
     do not come straight from a model's normalised output.
 
-    `source_bytes` ({shard: size of its local data file}) and `captions_sha256` ({shard: `data.sha256_of` the
-    captions of a CSV}) describe what the store was written from, for training to check (both optional).
+    `source_bytes` ({shard: size of its local data file}), `captions_sha256` ({shard: `data.sha256_of` the
+    captions of a CSV}) and `image_bytes` ({shard: `data.image_sizes` of a CSV}) describe what the store was written
+    from, for training to check (all optional).
 
     `shards`, the names of all shards of the store in order, lets several writers (processes) share the work:
     each adds some, and any of them can `close()` once all are `finished` (without it, the store is the shards this
@@ -420,7 +426,8 @@ class FeatureStoreWriter:
 
     def __init__(self, root, model: Optional[str], pretrained: Optional[str], dim: int = None,
                  dtype: Optional[str] = 'float16', shards: Sequence[str] = None,
-                 source_bytes: Dict[str, int] = None, captions_sha256: Dict[str, str] = None):
+                 source_bytes: Dict[str, int] = None, captions_sha256: Dict[str, str] = None,
+                 image_bytes: Dict[str, Dict[str, int]] = None):
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: keys only), got {dtype!r}")
         if dtype is None and (model is not None or pretrained is not None or dim is not None):
@@ -432,7 +439,8 @@ class FeatureStoreWriter:
         self.dim = dim
         self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype)
         self.plan = None if shards is None else list(shards)
-        self.sources = {'source_bytes': dict(source_bytes or {}), 'captions_sha256': dict(captions_sha256 or {})}
+        self.sources = {'source_bytes': dict(source_bytes or {}), 'captions_sha256': dict(captions_sha256 or {}),
+                        'image_bytes': dict(image_bytes or {})}
         self.shards: List[str] = []  # the ones this writer added
         plan = {**self.meta, 'shards': self.plan, **self.sources}
         path = self.root / PLAN
@@ -454,7 +462,8 @@ class FeatureStoreWriter:
             raise FeatureStoreError(f"'{path}' is missing: there is no unfinished store for '{root}'")
         plan = json.loads(path.read_text())
         return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'],
-                   source_bytes=plan.get('source_bytes'), captions_sha256=plan.get('captions_sha256'))
+                   source_bytes=plan.get('source_bytes'), captions_sha256=plan.get('captions_sha256'),
+                   image_bytes=plan.get('image_bytes'))
 
     def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray = None,
                   text_features: np.ndarray = None, rows_are_index: bool = False):

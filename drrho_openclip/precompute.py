@@ -36,9 +36,9 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, local_file_sizes, local_path,
-                   missing_local_file, moved_folders, read_csv, resolve_dataset_type, shard_keys, shard_samples,
-                   sources, undecodable_keys)
+from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, image_sizes, local_file_sizes,
+                   local_path, missing_local_file, moved_folders, read_csv, resolve_dataset_type, shard_keys,
+                   shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, check_rows, finished_store_differences, partial_dir, shard_files,
                        shard_name)
@@ -389,13 +389,14 @@ def main(argv=None):
         if missing:
             raise SystemExit(f"--train-data: no such file '{missing}'")
         captions = caption_digests(args)  # a CSV's columns are read here, before a .partial store is started
+        images = image_sizes(args)
         names = [name for name, _ in shards]
         sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
         settings = (None, None, None) if args.keys_only else (args.model, args.pretrained or '', args.dtype)
         if args.keys_only:
-            captions = None  # a keys-only store holds no text features to check
+            captions = images = None  # a keys-only store holds no features to check
         if (Path(args.output) / MANIFEST).exists() and not args.overwrite:
-            differ = finished_store_differences(args.output, *settings, names, sizes, captions)
+            differ = finished_store_differences(args.output, *settings, names, sizes, captions, images)
             if differ:
                 raise SystemExit(f"{args.output} already holds a reference-feature store, written with "
                                  f"{', '.join(differ)}; pass --overwrite to replace it")
@@ -409,7 +410,7 @@ def main(argv=None):
         encoder = None if args.keys_only or joining else _load_encoder(args)
         model, pretrained, dtype = settings
         writer = FeatureStoreWriter(args.output, model, pretrained, dtype=dtype, shards=names, source_bytes=sizes,
-                                    captions_sha256=captions)
+                                    captions_sha256=captions, image_bytes=images)
     except FeatureStoreError as e:
         raise SystemExit(str(e))
     mine = shards[part_slice(len(shards), args.part, args.num_parts)]

@@ -496,6 +496,35 @@ def test_a_store_of_other_captions_stops_training_and_fails_verify(shapes, tmp_p
     assert not (tmp_path / 'x').exists()  # stopped at start-up, before OpenCLIP created the run
 
 
+def test_a_relative_csv_read_from_another_folder_is_not_given_the_stores_features(shapes, tmp_path, monkeypatch):
+    """A CSV's image paths relative to the working directory: the same CSV run from another folder names other
+    image files by the same paths, which the store's keys (the paths as written) cannot tell; it recorded the sizes
+    of some of them. A dataset moved with the store, the same files, trains."""
+    import shutil
+    lines = shapes['csv'].read_text().splitlines()
+    rows = [line.split('\t') for line in lines[1:]]
+    for folder, order in (('written', rows), ('other', rows[1:] + rows[:1])):  # the other folder: others' images
+        (tmp_path / folder / 'img').mkdir(parents=True)
+        for (path, *_), (source, *_) in zip(rows, order):
+            shutil.copy(source, tmp_path / folder / 'img' / Path(path).name)
+        (tmp_path / folder / 'rel.csv').write_text('\n'.join(
+            [lines[0]] + ['\t'.join([f'img/{Path(path).name}', *rest]) for path, *rest in rows]) + '\n')
+    store = tmp_path / 'ref'
+    monkeypatch.chdir(tmp_path / 'written')
+    assert precompute.main(['--model', shapes['model'], '--train-data', 'rel.csv', '--csv-separator', '\t',
+                            '--csv-img-key', 'filepath', '--csv-caption-key', 'title', '--output', store,
+                            '--batch-size', '16', '--workers', '0']) == 0
+    args = train_args(shapes, tmp_path, 'x', *DRRHO, '--ref-features', store)
+    args[args.index('--train-data') + 1] = 'rel.csv'
+    result = run_openclip(args, check=False, cwd=tmp_path / 'other')
+    assert result.returncode == 2 and (
+        "--ref-features was not written for --train-data: row 0 of 'rel.csv' names 'img/") in result.stderr, \
+        result.stderr[-2000:]
+    assert f"(a relative path is read from the working directory, here '{tmp_path / 'other'}')" in result.stderr
+    shutil.copytree(tmp_path / 'written', tmp_path / 'moved')  # the same files elsewhere: trains
+    run_openclip(args, cwd=tmp_path / 'moved')
+
+
 def test_a_csv_of_several_captions_per_image_gets_a_store_and_trains(shapes, tmp_path, capsys):
     """COCO and Flickr30k give each image several captions: a CSV repeats its path, and the store (whose CSV keys are
     the image paths, row by row: the row is the index) repeats it too."""

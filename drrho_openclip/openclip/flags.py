@@ -8,8 +8,8 @@ import textwrap
 from functools import lru_cache
 from typing import Optional, Tuple
 
-from ..data import (caption_mismatch, check_csv_columns, input_kind, local_path, missing_local_file, moved_folders,
-                    relative_to_common_folder, sha256_of, shard_name_collision, shard_urls)
+from ..data import (caption_mismatch, check_csv_columns, image_mismatch, input_kind, local_path, missing_local_file,
+                    moved_folders, relative_to_common_folder, sha256_of, shard_name_collision, shard_urls)
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -319,7 +319,8 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
             moved = check_csv_keys(store, args.train_data, images)
             if store.num_samples != len(images):  # the row number is the dense index: no other shard may come first
                 raise FeatureStoreError(f"'{store.root}' holds {store.num_samples} samples, the CSV has {len(images)}")
-            mismatch = caption_mismatch(store.shard(shard_name(args.train_data)), captions, args)
+            shard = store.shard(shard_name(args.train_data))
+            mismatch = caption_mismatch(shard, captions, args) or image_mismatch(shard, args, images)
             if mismatch:
                 raise FeatureStoreError(mismatch)
             return moved
