@@ -44,6 +44,7 @@ A shard is named after its data file (`shard_name`: the file name up to its firs
 keys are its image paths, row by row, as training checks them). Training reads every feature as given: `check_rows`
 raises a `FeatureStoreError` naming the shard and the sample key of a row that is not finite and unit-norm.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -78,6 +79,7 @@ class Shard:
     source_bytes: Optional[int] = None  # the size of the data file it was written from, where that was a local file
     captions_sha256: Optional[str] = None  # a CSV's: the fingerprint of the captions its text features are of
     image_bytes: Optional[Dict[str, int]] = None  # a CSV's: {row: size} of some of the images it was written from
+    keys_sha256: Optional[str] = None  # its keys in order (which sample each row is); None in stores written before
 
 
 def shard_name(source: str) -> str:
@@ -215,7 +217,8 @@ class FeatureStore:
         offset = 0
         for entry in manifest['shards']:
             self.shards.append(Shard(entry['name'], int(entry['count']), offset, entry.get('source_bytes'),
-                                     entry.get('captions_sha256'), entry.get('image_bytes')))
+                                     entry.get('captions_sha256'), entry.get('image_bytes'),
+                                     entry.get('keys_sha256')))
             offset += int(entry['count'])
         self.num_samples = offset
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
@@ -517,6 +520,11 @@ class FeatureStoreWriter:
             return None
         return n, features.shape[2]
 
+    def _keys_digest(self, name: str) -> str:
+        """A fingerprint of a written shard's keys in order: which sample each of its rows is."""
+        keys = np.load(self.root / shard_files(name, self.meta['dtype'])[-1], allow_pickle=False)
+        return hashlib.sha256(np.ascontiguousarray(keys).tobytes()).hexdigest()
+
     def finished(self, name: str) -> bool:
         return self._finished(name) is not None
 
@@ -551,7 +559,7 @@ class FeatureStoreWriter:
             raise
         for tmp in self.root.glob('*.tmp'):  # left by killed writers
             tmp.unlink()
-        shards = [dict(name=name, count=found[name][0],
+        shards = [dict(name=name, count=found[name][0], keys_sha256=self._keys_digest(name),
                        **{key: of_shard[name] for key, of_shard in self.sources.items() if name in of_shard})
                   for name in names]
         (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'dim': dims[0], 'shards': shards}, indent=1))

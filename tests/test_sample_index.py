@@ -154,6 +154,34 @@ def test_sogclr_trains_on_webdataset_with_a_sample_index(shapes, shards, index, 
         assert set(torch.isfinite(state[table]).nonzero().flatten().tolist()) == trained  # the rest is NaN: unseen
 
 
+def test_a_resume_onto_a_shard_rewritten_in_another_order_stops(shapes, shards, tmp_path):
+    """A shard's samples in another order (a store written again for a copy of the data) have the same shard names
+    and sizes: the state's rows would be other samples'; the store records each shard's keys in order."""
+    data = tmp_path / 'data'
+    data.mkdir()
+    for s in range(4):
+        os.symlink(shards['root'] / f'part-{s}.tar', data / f'part-{s}.tar')
+    index = tmp_path / 'index'
+    assert precompute.main(['--keys-only', '--train-data', str(data / 'part-{0..3}.tar'), '--output', index]) == 0
+    args = ['--train-data', data / 'part-{0..3}.tar', '--dataset-type', 'webdataset', '--train-num-samples', '64',
+            '--model', shapes['model'], '--batch-size', '8', '--epochs', '1', '--lr', '1e-3', '--warmup', '2',
+            '--workers', '0', '--precision', 'fp32', '--device', 'cpu', '--seed', '0', '--logs', tmp_path,
+            '--name', 'run', '--loss', 'sogclr', '--gamma', '0.5', '--sample-index', index, '--resume', 'latest']
+    run_openclip(args)
+    os.unlink(data / 'part-0.tar')
+    with tarfile.open(shards['root'] / 'part-0.tar') as full, tarfile.open(data / 'part-0.tar', 'w') as reordered:
+        members = full.getmembers()
+        for i in reversed(range(0, len(members), 2)):  # the samples (image, caption) in reverse order
+            for member in members[i:i + 2]:
+                reordered.addfile(member, full.extractfile(member))
+    assert precompute.main(['--keys-only', '--train-data', str(data / 'part-{0..3}.tar'), '--output', index,
+                            '--overwrite']) == 0
+    args[args.index('--epochs') + 1] = '2'
+    result = run_openclip(args, check=False)
+    assert result.returncode != 0 and "holds per-sample state whose rows are other samples than this run's" in \
+        result.stderr, result.stderr[-2000:]
+
+
 def parse(*argv):
     """The flags as `open_clip_train.main` parses them: OpenCLIP's parser with the plugin's add_args and check_args."""
     from open_clip_train.params import parse_args

@@ -426,15 +426,17 @@ def _reference_in_use(args, reference_store) -> Optional[str]:
 
 def _sample_index_fingerprint(args, index_store) -> Optional[str]:
     """A fingerprint of which sample each row of the per-sample state is: a CSV's image paths row by row (its row is
-    the index), or the store's shards and their sizes (a WebDataset sample's row is its shard's offset plus its
+    the index), or the store's shards, their sizes and keys (a WebDataset sample's row is its shard's offset plus its
     place in the shard, in file order). None where nothing is indexed (evaluation; the synthetic dataset, whose
     samples are their index)."""
     if not trains(args):
         return None
     if input_kind(args.train_data, args.dataset_type) == 'csv':  # below their common folder: a dataset may move
         return sha256_of(relative_to_common_folder(_training_csv(args)[0]))
-    if index_store is not None:
-        return sha256_of(f"{shard.name}/{shard.count}" for shard in index_store.shards)
+    if index_store is not None:  # with the keys in order where the store recorded them: a shard rewritten in
+        # another order (a store written again for a downloaded copy) has the same name and size
+        return sha256_of(f"{shard.name}/{shard.count}" + (f"/{shard.keys_sha256}" if shard.keys_sha256 else '')
+                         for shard in index_store.shards)
     return None
 
 
