@@ -563,7 +563,6 @@ class FeatureStoreWriter:
                        **{key: of_shard[name] for key, of_shard in self.sources.items() if name in of_shard})
                   for name in names]
         (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'dim': dims[0], 'shards': shards}, indent=1))
-        (self.root / PLAN).unlink()
         previous = self.final.with_name(self.final.name + '.previous')
         if previous.exists():  # the store a killed close() was replacing: this one replaces it as well
             shutil.rmtree(previous)
@@ -571,6 +570,7 @@ class FeatureStoreWriter:
         if replacing:
             os.replace(self.final, previous)
         os.replace(self.root, self.final)
+        (self.final / PLAN).unlink()  # only now: a close() killed before the move is finished by --finalize
         (self.final / LOCK).unlink()
         if replacing:
             shutil.rmtree(previous)

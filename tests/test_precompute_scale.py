@@ -331,6 +331,30 @@ def test_finalize_finishes_a_store_whose_shards_are_all_written(tmp_path, capsys
                                        'manifest.json']
 
 
+def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tmp_path, monkeypatch):
+    """The manifest written, the store not yet moved into place: what --finalize's message advises works."""
+    out = tmp_path / 'ref'
+    writer = FeatureStoreWriter(out, 'm', '', dtype='float16', shards=['a'])
+    writer.add_shard('a', ['x'], np.eye(4)[:1], np.eye(4)[:1])
+    real = os.replace
+
+    def killed(source, target):
+        if str(source).endswith('.partial'):
+            raise KeyboardInterrupt  # stands for a kill at this point
+        return real(source, target)
+    monkeypatch.setattr(os, 'replace', killed)
+    with pytest.raises(KeyboardInterrupt):
+        writer.close()
+    monkeypatch.setattr(os, 'replace', real)
+    assert not out.exists() and (tmp_path / 'ref.partial' / 'manifest.json').exists()
+    with pytest.raises(SystemExit, match='delete that file and run --finalize'):
+        precompute.main(['--finalize', '--output', out])
+    (tmp_path / 'ref.partial' / LOCK).unlink()
+    assert precompute.main(['--finalize', '--output', out]) == 0
+    assert [s.name for s in FeatureStore.open(out).shards] == ['a'] and not (tmp_path / 'ref.partial').exists()
+    assert sorted(os.listdir(out)) == ['a.features.npy', 'a.keys.npy', 'manifest.json']
+
+
 def test_what_would_stop_precompute_later_stops_it_before_a_store_is_started(shapes, shards, tmp_path):
     """A mistyped shard range or model: stopped with its flag named and no `.partial` left behind, which would
     otherwise hold the mistyped plan and refuse the corrected command."""
