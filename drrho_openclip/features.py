@@ -438,7 +438,10 @@ class FeatureStoreWriter:
         self.final = _named(root)
         _check_replaceable(self.final)
         self.root = partial_dir(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only or full file system: named, not a traceback
+            raise FeatureStoreError(f"cannot write the store's folder '{self.root}' ({e.strerror})") from None
         self.dim = dim
         self.meta = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype)
         self.plan = None if shards is None else list(shards)

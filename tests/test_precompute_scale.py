@@ -331,6 +331,13 @@ def test_finalize_finishes_a_store_whose_shards_are_all_written(tmp_path, capsys
                                        'manifest.json']
 
 
+def test_an_output_that_cannot_be_written_is_named(data, tmp_path):
+    (tmp_path / 'afile').write_text('x')  # where a folder is needed: as a read-only one, an OSError
+    output = tmp_path / 'afile' / 'ref'
+    with pytest.raises(SystemExit, match=re.escape(f"cannot write the store's folder '{output}.partial' (")):
+        precompute.main(['--keys-only', '--train-data', data['urls'], '--output', output])
+
+
 def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tmp_path, monkeypatch):
     """The manifest written, the store not yet moved into place: what --finalize's message advises works."""
     out = tmp_path / 'ref'
