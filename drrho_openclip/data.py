@@ -140,14 +140,15 @@ def sha256_of(texts: Iterable) -> str:
     return digest.hexdigest()
 
 
-def caption_digests(args) -> dict:
+def caption_digests(args, frame: pd.DataFrame = None) -> dict:
     """{store shard name: `sha256_of` its captions} of a CSV (the --csv-caption-key column, as OpenCLIP's CsvDataset
     reads it), {} for WebDataset, whose captions live in the tar files the store's sizes describe. A store records
     them: the same image paths with other captions (another caption column, an edited file) would otherwise read
-    text features of other texts."""
+    text features of other texts. `frame`: the CSV, where read."""
     if args.dataset_type != 'csv':
         return {}
-    return {shard_name(args.train_data): sha256_of(read_csv(args)[args.csv_caption_key])}
+    frame = read_csv(args) if frame is None else frame
+    return {shard_name(args.train_data): sha256_of(frame[args.csv_caption_key])}
 
 
 def image_sizes(args, images: Sequence[str] = None) -> dict:

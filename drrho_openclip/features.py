@@ -367,7 +367,8 @@ def _check_replaceable(final: Path):
                             f"written there would replace what it holds; choose another output")
 
 
-SOURCE_KEYS = ('source_bytes', 'captions_sha256', 'image_bytes')  # what a store was written from, where its writer knew it
+# what a store was written from, where its writer knew it
+SOURCE_KEYS = ('source_bytes', 'captions_sha256', 'image_bytes')
 
 
 def _differences(found: dict, wanted: dict) -> List[str]:
@@ -572,7 +573,12 @@ class FeatureStoreWriter:
         replacing = self.final.exists()
         if replacing:
             os.replace(self.final, previous)
-        os.replace(self.root, self.final)
+        try:
+            os.replace(self.root, self.final)
+        except BaseException:  # stopped (Ctrl-C) between the two moves: the old store back in place
+            if replacing:
+                os.replace(previous, self.final)
+            raise
         (self.final / PLAN).unlink()  # only now: a close() killed before the move is finished by --finalize
         (self.final / LOCK).unlink()
         if replacing:

@@ -388,8 +388,10 @@ def main(argv=None):
         missing = missing_local_file(shards)
         if missing:
             raise SystemExit(f"--train-data: no such file '{missing}'")
-        captions = caption_digests(args)  # a CSV's columns are read here, before a .partial store is started
-        images = image_sizes(args)
+        # a CSV is read here, once, before a .partial store is started
+        frame = read_csv(args) if args.dataset_type == 'csv' else None
+        captions = caption_digests(args, frame)
+        images = image_sizes(args, None if frame is None else list(frame[args.csv_img_key]))
         names = [name for name, _ in shards]
         sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
         settings = (None, None, None) if args.keys_only else (args.model, args.pretrained or '', args.dtype)

@@ -254,9 +254,6 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
             writer.add_shard(name, keys, image, text, rows_are_index=rows_are_index)
         writer.close()
     except BaseException:
-        previous = output.with_name(output.name + '.previous')
-        if not output.exists() and previous.is_dir():  # stopped between close()'s two moves: the old one back
-            previous.replace(output)
         shutil.rmtree(partial, ignore_errors=True)  # ours: nothing half-written is left to resume
         raise
     return FeatureStore.open(output)
