@@ -40,13 +40,15 @@ Writing a store from Python (what `drrho-openclip-features import` does with arr
         writer.add_shard(shard_name(tar), keys, image, text)
     writer.close()                         # the store appears in ref/ only now, complete
 
-A shard is named after its data file (`shard_name`: the file name up to its first dot; a CSV file is one shard whose
+A shard is named after its data file (`shard_name`: the file name without its data extension, `train.000.tar` ->
+`train.000`; a CSV file is one shard whose
 keys are its image paths, row by row, as training checks them). Training reads every feature as given: `check_rows`
 raises a `FeatureStoreError` naming the shard and the sample key of a row that is not finite and unit-norm.
 """
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 from dataclasses import dataclass
@@ -65,6 +67,12 @@ FORMAT_VERSION = 1
 DTYPES = {'float16': np.float16, 'float32': np.float32, 'int8': np.int8}
 UNIT_NORM_TOLERANCE = 0.02  # float16 and int8 rounding move a norm by < 1e-2
 NPY_HEADER_BYTES = 64  # the least header of a .npy file (numpy pads it to a multiple of 64 bytes)
+# A data file's extension (.tar, .tar.gz, .csv, ...), where the shard name ends: the first one in the file name, so
+# that what follows it (a compression suffix, a `pipe:` command's further arguments, a URL's query) is cut too
+DATA_EXTENSION = re.compile(r'\.(tar|tgz|tbz2?|txz|csv|tsv)(?![A-Za-z0-9])', re.IGNORECASE)
+# The manifest entry of stores whose shards are named so; stores written before it named a shard up to the first dot
+# of its file name, which reading them still resolves (`FeatureStore.stored_name`)
+SHARD_NAMES = 'file name without its data extension'
 
 
 class FeatureStoreError(ValueError):
@@ -83,9 +91,11 @@ class Shard:
 
 
 def shard_name(source: str) -> str:
-    """The store name of a data shard or CSV file: its file name without extension(s)."""
+    """The store name of a data shard or CSV file: its file name up to its data extension (the whole name where it
+    has none), so that `train.000.tar` and `train.001.tar` are two shards."""
     base = os.path.basename(str(source).rstrip('/'))
-    return base.split('.')[0] if not base.startswith('.') else base
+    extension = DATA_EXTENSION.search(base)
+    return base[:extension.start()] if extension is not None and extension.start() > 0 else base
 
 
 def shard_files(name: str, dtype: Optional[str]) -> List[str]:
@@ -221,6 +231,7 @@ class FeatureStore:
                                      entry.get('keys_sha256')))
             offset += int(entry['count'])
         self.num_samples = offset
+        self._first_dot_names = manifest.get('shard_names') != SHARD_NAMES
         self._by_name: Dict[str, Shard] = {s.name: s for s in self.shards}
         repeated = first_duplicate([s.name for s in self.shards])
         if repeated is not None:
@@ -269,9 +280,16 @@ class FeatureStore:
                                             f"an unfinished copy? `drrho-openclip-features verify` checks the store")
         return store
 
+    def stored_name(self, name: str) -> str:
+        """The name under which this store holds the shard a data file's `shard_name` names: itself, or in a store
+        written before that rule, the name up to its first dot (`train.v2` of `train.v2.csv` was stored as `train`)."""
+        if name not in self._by_name and self._first_dot_names and name.split('.')[0] in self._by_name:
+            return name.split('.')[0]
+        return name
+
     def shard(self, name: str) -> Shard:
         try:
-            return self._by_name[name]
+            return self._by_name[self.stored_name(name)]
         except KeyError:
             holds = 'sample keys' if self.keys_only else 'reference features'
             raise FeatureStoreError(f"no {holds} for shard '{name}' in '{self.root}' "
@@ -309,24 +327,29 @@ class FeatureStore:
             return None
         return self._load(name, '.scales.npy', (self.shard(name).count, 2), np.float32)
 
-    @lru_cache(maxsize=64)
     def keys(self, name: str) -> np.ndarray:
+        return self._keys(self.shard(name).name)
+
+    @lru_cache(maxsize=64)
+    def _keys(self, name: str) -> np.ndarray:
         return self._load(name, '.keys.npy', (self.shard(name).count,), mmap_mode=None, decode_with=decode_keys)
 
     @lru_cache(maxsize=64)
     def _rows(self, name: str) -> Dict[str, int]:
-        return {str(k): i for i, k in enumerate(self.keys(name))}
+        return {str(k): i for i, k in enumerate(self._keys(name))}
 
     def index_of(self, name: str, key: str) -> int:
         """Dense index of the sample `key` of shard `name`."""
-        row = self._rows(name).get(str(key))
+        shard = self.shard(name)
+        row = self._rows(shard.name).get(str(key))
         if row is None:
             raise FeatureStoreError(f"sample '{key}' of shard '{name}' is not in '{self.root}'")
-        return self.shard(name).offset + row
+        return shard.offset + row
 
     def shard_features(self, name: str) -> np.ndarray:
         """All [n, 2, dim] features of a shard, as float32."""
         self._require_features()
+        name = self.shard(name).name
         return decode(self._features(name), self._scales(name))
 
     def batch_features(self, index: torch.Tensor):
@@ -566,7 +589,8 @@ class FeatureStoreWriter:
         shards = [dict(name=name, count=found[name][0], keys_sha256=self._keys_digest(name),
                        **{key: of_shard[name] for key, of_shard in self.sources.items() if name in of_shard})
                   for name in names]
-        (self.root / MANIFEST).write_text(json.dumps({**self.meta, 'dim': dims[0], 'shards': shards}, indent=1))
+        manifest = {**self.meta, 'dim': dims[0], 'shard_names': SHARD_NAMES, 'shards': shards}
+        (self.root / MANIFEST).write_text(json.dumps(manifest, indent=1))
         previous = self.final.with_name(self.final.name + '.previous')
         if previous.exists():  # the store a killed close() was replacing: this one replaces it as well
             shutil.rmtree(previous)

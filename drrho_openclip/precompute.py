@@ -536,9 +536,10 @@ def verify(argv=None) -> int:
         print(f"PROBLEM: {e}" + (f" ('{partial}' holds an unfinished one: run precompute again with the same "
                                  f"settings, or --finalize once every part has ended)" if partial.is_dir() else ''))
         return 1
-    try:
-        data = data_keys(args) if args.train_data else {}
-        captions = caption_digests(args) if args.train_data else {}
+    try:  # by the store's names of the data's shards
+        data = {store.stored_name(name): keys for name, keys in (data_keys(args) if args.train_data else {}).items()}
+        captions = {store.stored_name(name): digest
+                    for name, digest in (caption_digests(args) if args.train_data else {}).items()}
     except OSError as e:  # a shard or CSV of --train-data that cannot be read
         print(f"PROBLEM: --train-data: {e}")
         return 1
@@ -551,7 +552,7 @@ def verify(argv=None) -> int:
     problems = [f"shard '{name}' of --train-data has no {'keys' if store.keys_only else 'features'} in '{store.root}'"
                 for name in data if name not in {s.name for s in store.shards}]
     csv = args.dataset_type == 'csv'
-    urls = dict(sources(args)) if args.train_data and not csv else {}
+    urls = {store.stored_name(name): url for name, url in sources(args)} if args.train_data and not csv else {}
     warnings = []
     for shard in store.shards:
         if args.train_data and not csv and shard.name not in data:

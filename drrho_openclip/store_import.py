@@ -5,7 +5,8 @@
 
 For a reference model that is not an OpenCLIP model (a Hugging Face SigLIP or EVA-CLIP, a timm backbone with a text
 tower, features computed earlier): compute its image and text embeddings of the training samples yourself, one input
-per data shard (per CSV file), named after the shard (its file name up to the first dot: `00042.tar` -> `00042`):
+per data shard (per CSV file), named after the shard (its file name without its data extension: `00042.tar` ->
+`00042`, `train.000.tar` -> `train.000`; `00042.tar.npz` names shard `00042` too):
 
     <shard>.npz            arrays image_features [n, d], text_features [n, d] and, optionally, keys [n] (strings)
     <shard>.safetensors    tensors image_features, text_features; optionally the keys as a JSON list in the
@@ -47,6 +48,13 @@ FORMATS = ('.npz', '.safetensors', '.parquet', '.npy')
 READER_PACKAGES = {'.safetensors': 'safetensors', '.parquet': 'pyarrow'}
 
 
+def input_shard(file: Path) -> str:
+    """The data shard an input file holds the features of: its name without the input format's suffix, read as a
+    data file's name (`train.000.npz`, `train.000.tar.npz` and `train.000.image_features.npy`: `train.000`)."""
+    suffix = next((s for s in NPY_SUFFIXES if file.name.endswith(s)), file.suffix)
+    return shard_name(file.name[:-len(suffix)])
+
+
 def input_files(paths) -> dict:
     """{shard name: [files]} of the input files and directories (a directory: every file in it of a known format)."""
     files = []
@@ -62,7 +70,7 @@ def input_files(paths) -> dict:
         if file.suffix not in FORMATS or (file.suffix == '.npy' and not file.name.endswith(NPY_SUFFIXES)):
             raise FeatureStoreError(f"input '{file}': not a feature file (<shard>.npz, .safetensors, .parquet or "
                                     f"<shard>.{{image_features,text_features,keys}}.npy)")
-        shards.setdefault(shard_name(file), []).append(file)
+        shards.setdefault(input_shard(file), []).append(file)
     for name, group in shards.items():
         kinds = {f.suffix for f in group}
         if len(kinds) > 1 or (kinds != {'.npy'} and len(group) > 1):
@@ -90,7 +98,7 @@ def read_features(files) -> tuple:
     files = [Path(f) for f in files]
     file = files[0]
     if file.suffix == '.npy':
-        file = file.with_name(shard_name(file) + '.{image_features,text_features}.npy')
+        file = file.with_name(input_shard(file) + '.{image_features,text_features}.npy')
     try:
         arrays = _read_arrays(files)
     except FeatureStoreError:
@@ -107,7 +115,7 @@ def read_features(files) -> tuple:
 def _read_arrays(files) -> dict:
     file = files[0]
     if file.suffix == '.npy':
-        return {f.name[len(shard_name(f)) + 1:-len('.npy')]: np.load(f, allow_pickle=False) for f in files}
+        return {next(a for a in ARRAYS if f.name.endswith(f'.{a}.npy')): np.load(f, allow_pickle=False) for f in files}
     if file.suffix == '.npz':
         with np.load(file, allow_pickle=False) as npz:
             return {name: npz[name] for name in npz.files}

@@ -1,6 +1,7 @@
 """`drrho-openclip-features import`: a store from features computed elsewhere, every error naming what is at fault."""
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from drrho_openclip import precompute
 from drrho_openclip.data import sha256_of, sources
 from drrho_openclip.features import FeatureStore, FeatureStoreError
-from drrho_openclip.store_import import import_store
+from drrho_openclip.store_import import import_store, input_shard
 
 DIM = 8
 
@@ -283,3 +284,11 @@ def test_a_missing_reader_names_the_package_to_install(wds, tmp_path, monkeypatc
     with pytest.raises(FeatureStoreError, match=r"input '.*part-0.parquet': reading .parquet files needs pyarrow "
                                                 r"\(pip install pyarrow\)"):
         read_features([inputs / 'part-0.parquet'])
+
+
+@pytest.mark.parametrize('file, shard', [
+    ('00042.npz', '00042'), ('00042.tar.npz', '00042'), ('train.000.npz', 'train.000'),
+    ('train.000.image_features.npy', 'train.000'), ('train.000.tar.keys.npy', 'train.000'),
+    ('data.v2.safetensors', 'data.v2'), ('data.v2.csv.parquet', 'data.v2')])
+def test_an_input_is_the_features_of_the_shard_its_name_says(file, shard):
+    assert input_shard(Path(file)) == shard

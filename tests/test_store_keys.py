@@ -1,8 +1,11 @@
-"""How a store spells its sample keys on disk: consecutive zero-padded numbers as one record, others as UTF-8."""
+"""How a store names its shards and spells their sample keys on disk: consecutive zero-padded numbers as one record,
+others as UTF-8."""
+import json
+
 import numpy as np
 import pytest
 
-from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter
+from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter, shard_name
 
 DIM = 8
 
@@ -97,7 +100,6 @@ def test_a_store_is_never_written_over_a_folder_or_file_of_something_else(tmp_pa
 
 
 def test_a_shard_is_added_once_and_a_manifest_listing_one_twice_is_refused(tmp_path):
-    import json
     writer = FeatureStoreWriter(tmp_path / 'ref', None, None, dtype=None)
     writer.add_shard('00000', ['a', 'b'])
     with pytest.raises(ValueError, match="shard '00000' was added already"):
@@ -110,3 +112,31 @@ def test_a_shard_is_added_once_and_a_manifest_listing_one_twice_is_refused(tmp_p
     manifest.write_text(json.dumps(content))
     with pytest.raises(FeatureStoreError, match="lists shard '00000' more than once"):
         FeatureStore.open(tmp_path / 'ref')
+
+
+@pytest.mark.parametrize('source, name', [
+    ('shards/00042.tar', '00042'), ('train.000.tar', 'train.000'), ('s3/a.b.tar.gz', 'a.b'), ('data.v2.csv', 'data.v2'),
+    ('pipe:aws s3 cp s3://bucket/train-01.tar -', 'train-01'), ('https://host/00001.tar?token=x', '00001'),
+    ('train.tarball.tar', 'train.tarball'), ('shard-7', 'shard-7'), ('notes.txt', 'notes.txt')])
+def test_a_shard_is_named_after_its_file_up_to_the_data_extension(source, name):
+    assert shard_name(source) == name
+
+
+def test_a_store_written_when_names_ended_at_the_first_dot_still_finds_its_shards(tmp_path):
+    """Stores written before kept `data.v2.csv`'s features as shard 'data': looked up under today's name 'data.v2',
+    they are found there; a store written today is not searched so (its 'train' is another file's than train.v2)."""
+    keys = ['a.png', 'b.png']
+    writer = FeatureStoreWriter(tmp_path / 'ref', model='m', pretrained='', dim=4)
+    writer.add_shard('data', keys, np.eye(4)[:2], np.eye(4)[2:])
+    writer.close()
+    store = FeatureStore.open(tmp_path / 'ref')
+    with pytest.raises(FeatureStoreError, match="no reference features for shard 'data.v2'"):
+        store.shard(shard_name('data.v2.csv'))
+    manifest = tmp_path / 'ref' / 'manifest.json'
+    content = json.loads(manifest.read_text())
+    del content['shard_names']
+    manifest.write_text(json.dumps(content))
+    store = FeatureStore.open(tmp_path / 'ref')
+    assert store.shard(shard_name('data.v2.csv')).name == 'data'
+    assert store.index_of('data.v2', 'b.png') == 1 and list(store.keys('data.v2')) == keys
+    assert np.array_equal(store.shard_features('data.v2')[1], np.stack([np.eye(4)[1], np.eye(4)[3]]))

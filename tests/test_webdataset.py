@@ -200,3 +200,23 @@ def test_accumulation_steps_the_learned_temperature_once_per_window(shapes, shar
     run_openclip([*args, '--accum-freq', '2'])  # 2 batches: one window, one optimiser step
     log_tau = checkpoint(tmp_path, 'run', 1)['loss_state']['temperature.log_tau'].item()
     assert abs(log_tau - math.log(0.07)) == pytest.approx(0.05, rel=1e-4)
+
+
+def test_shards_whose_names_differ_after_a_dot_are_two_shards(shapes, shards, tmp_path):
+    """train.000.tar and train.001.tar: a shard is named up to its data extension, not its first dot (which made both
+    'train', refused as one file name), so a store is written for them and training reads each shard's features."""
+    data = tmp_path / 'data'
+    data.mkdir()
+    for s in range(4):
+        (data / f'train.00{s}.tar').write_bytes((shards['root'] / f'part-{s}.tar').read_bytes())
+    urls = str(data / 'train.00{0..3}.tar')
+    result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
+                             '--train-data', urls, '--output', str(tmp_path / 'ref'), '--workers', '0'],
+                            capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    store, written_before = FeatureStore.open(tmp_path / 'ref'), FeatureStore.open(shards['ref'])
+    assert [s.name for s in store.shards] == [f'train.00{s}' for s in range(4)]
+    assert all(list(store.keys(f'train.00{s}')) == list(written_before.keys(f'part-{s}')) for s in range(4))
+    args = wds_args(shapes, {**shards, 'urls': urls, 'ref': tmp_path / 'ref'}, tmp_path, 'run', '--workers', '0')
+    run_openclip(args)
+    assert torch.isfinite(checkpoint(tmp_path, 'run', 2)['loss_state']['state.log_u_image']).sum() >= 32

@@ -386,7 +386,7 @@ def _read_csv_columns(path, separator, image_key, caption_key, _version):
 def check_csv_keys(store, csv_path, images) -> Optional[str]:
     """The store's keys of the CSV's shard are its image paths, row by row; or the same paths below another folder
     (the dataset moved), which returns a warning saying so."""
-    name = shard_name(csv_path)
+    name = store.stored_name(shard_name(csv_path))
     if name not in {shard.name for shard in store.shards}:
         raise FeatureStoreError(f"'{store.root}' has no shard '{name}', the file name of '{csv_path}' (a CSV's "
                                 f"shard is named after its file; it has {', '.join(s.name for s in store.shards[:3])}"
