@@ -220,3 +220,19 @@ def test_shards_whose_names_differ_after_a_dot_are_two_shards(shapes, shards, tm
     args = wds_args(shapes, {**shards, 'urls': urls, 'ref': tmp_path / 'ref'}, tmp_path, 'run', '--workers', '0')
     run_openclip(args)
     assert torch.isfinite(checkpoint(tmp_path, 'run', 2)['loss_state']['state.log_u_image']).sum() >= 32
+
+
+def test_shards_too_small_for_a_batch_per_loader_worker_stop_the_run_instead_of_waiting_forever(shapes, shards,
+                                                                                              tmp_path):
+    """4 shards of 16 samples, 2 workers: each reads 2 shards, 32 samples a pass. OpenCLIP's loader forms batches
+    within a pass and repeats the pass until it has one, so at --batch-size 40 it would wait forever."""
+    args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '2')
+    args[args.index('--batch-size') + 1] = '40'
+    result = run_openclip(args, check=False)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert ("its 2 readers (1 rank(s) × 2 worker(s)) each pass over 2 or more of the 4 shards, which can hold as few "
+            "as 32 samples, fewer than --batch-size 40") in result.stderr
+    args[args.index('--batch-size') + 1] = '32'  # one batch a pass: it trains
+    args[args.index('--name') + 1] = 'fits'
+    run_openclip(args)
+    assert checkpoint(tmp_path, 'fits', 2)['epoch'] == 2

@@ -12,6 +12,7 @@ import logging
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
+from ..data import input_kind, shard_urls
 from ..features import FeatureStore, shard_name
 from . import BatchExtras
 from .run import Run
@@ -33,6 +34,7 @@ def wrap_data(run: Run, data: dict, args) -> dict:
     run's number of optimiser steps, counted as OpenCLIP's learning-rate schedule counts them."""
     if 'train' not in data or run.plain_clip:
         return data
+    _check_every_webdataset_worker_forms_a_batch(run, args)
     data = _with_sample_extras(run, data, args)
     batches = data['train'].dataloader.num_batches
     steps = batches // args.accum_freq * args.epochs
@@ -46,6 +48,26 @@ def wrap_data(run: Run, data: dict, args) -> dict:
             logging.info(f"drrho-openclip: the run has {steps} optimiser steps, so --lr-tau auto is "
                          f"1/{steps} = {lr_tau:.3g}")
     return data
+
+
+def _check_every_webdataset_worker_forms_a_batch(run: Run, args):
+    """OpenCLIP's WebDataset loader (without --dataset-resampled) has each of its world size × workers readers pass
+    over its share of the shards again and again until it has its epoch's batches, forming batches within one pass:
+    a reader whose shards hold fewer samples than a batch never forms one, and the run waits at its first step
+    forever. A reader gets at least (shards // readers) of the shards, shuffled anew each epoch, so the fewest samples
+    one can have are those of that many of the smallest shards (the store's counts: the samples that decode)."""
+    if run.index_store is None or args.dataset_resampled or input_kind(args.train_data, args.dataset_type) != 'webdataset':
+        return
+    urls = shard_urls(args.train_data)
+    counts = sorted(run.index_store.shard(shard_name(url)).count for url in urls)
+    readers = args.world_size * max(1, args.workers)
+    fewest = sum(counts[:len(urls) // readers])
+    if fewest < args.batch_size:
+        raise SystemExit(f"drrho-openclip: OpenCLIP's WebDataset loader would wait forever for a first batch: its "
+                         f"{readers} readers ({args.world_size} rank(s) × {max(1, args.workers)} worker(s)) each pass "
+                         f"over {len(urls) // readers} or more of the {len(urls)} shards, which can hold as few as "
+                         f"{fewest} samples, fewer than --batch-size {args.batch_size}, and a batch forms within one "
+                         f"pass; give fewer --workers, a smaller --batch-size, or --dataset-resampled")
 
 
 def _with_sample_extras(run: Run, data: dict, args) -> dict:
