@@ -3,11 +3,12 @@ names its shards. What the store's commands (precompute, import, verify) and the
 import hashlib
 import logging
 import os
+import re
 from typing import Iterable, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
-import braceexpand
 import pandas as pd
+import webdataset
 
 from .features import shard_name
 
@@ -41,8 +42,13 @@ def resolve_dataset_type(args):
 
 
 def shard_urls(train_data: str):
-    """Every WebDataset shard URL of --train-data: its '::'-joined sources, brace-expanded, in order."""
-    return [url for source in train_data.split('::') for url in braceexpand.braceexpand(source)]
+    """Every WebDataset shard URL of --train-data, in order, as webdataset reads them: its '::'-joined sources, each
+    `${VAR}` replaced by the environment's WDS_VAR, brace-expanded."""
+    unset = sorted({name for name in re.findall(r'\$\{(\w+)\}', train_data) if f'WDS_{name}' not in os.environ})
+    if unset:
+        raise SystemExit(f"--train-data '{train_data}': webdataset reads ${{{unset[0]}}} from the environment "
+                         f"variable WDS_{unset[0]}, which is not set")
+    return webdataset.shardlists.expand_urls(train_data)
 
 
 def sources(args):

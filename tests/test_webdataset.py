@@ -236,3 +236,24 @@ def test_shards_too_small_for_a_batch_per_loader_worker_stop_the_run_instead_of_
     args[args.index('--name') + 1] = 'fits'
     run_openclip(args)
     assert checkpoint(tmp_path, 'fits', 2)['epoch'] == 2
+
+
+def test_shard_urls_with_environment_variables_are_read_as_webdataset_reads_them(shapes, shards, tmp_path,
+                                                                                  monkeypatch):
+    """webdataset replaces ${VAR} in --train-data with the environment's WDS_VAR (a dataset root per cluster): the
+    store is written for, and training finds, the shards it names; an unset one is named."""
+    monkeypatch.setitem(ENV, 'WDS_SHARDS', str(shards['root']))
+    urls = '${SHARDS}/part-{0..3}.tar'
+    command = [sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'], '--train-data', urls,
+               '--output', str(tmp_path / 'ref'), '--workers', '0']
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [s.name for s in FeatureStore.open(tmp_path / 'ref').shards] == [f'part-{s}' for s in range(4)]
+    args = wds_args(shapes, {**shards, 'urls': urls, 'ref': tmp_path / 'ref'}, tmp_path, 'run', '--workers', '0')
+    args[args.index('--epochs') + 1] = '1'
+    run_openclip(args)
+    assert torch.isfinite(checkpoint(tmp_path, 'run', 1)['loss_state']['state.log_u_image']).sum() >= 32
+    monkeypatch.delitem(ENV, 'WDS_SHARDS')
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV)
+    assert result.returncode == 1
+    assert "webdataset reads ${SHARDS} from the environment variable WDS_SHARDS, which is not set" in result.stderr
