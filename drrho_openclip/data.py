@@ -165,19 +165,23 @@ def image_sizes(args, images: Sequence[str] = None) -> dict:
     if args.dataset_type != 'csv':
         return {}
     images = list(read_csv(args)[args.csv_img_key]) if images is None else images
+    return {shard_name(args.train_data): _sampled_image_sizes(images)}
+
+
+def _sampled_image_sizes(images: Sequence[str]) -> dict:
     sizes = {}
     for row in sorted({0, len(images) // 2, len(images) - 1} - {-1}):
         try:
             sizes[str(row)] = os.path.getsize(images[row])
         except OSError:  # not there: training names it when it reads the row
             pass
-    return {shard_name(args.train_data): sizes}
+    return sizes
 
 
 def image_mismatch(shard, args, images: Sequence[str]) -> Optional[str]:
     """Why the CSV's image files (`images`, its image column) are not those the store's `shard` was written from,
     by the sizes it recorded (`image_sizes`), or None (also for a store that recorded none)."""
-    now = image_sizes(args, images)[shard.name]
+    now = _sampled_image_sizes(images)
     for row, size in (shard.image_bytes or {}).items():
         if now.get(row) != size:
             return (f"row {row} of '{args.train_data}' names '{images[int(row)]}', of "

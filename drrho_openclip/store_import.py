@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows,
                        first_duplicate, partial_dir, shard_name)
-from .data import (add_data_args, caption_digests, data_keys, local_file_sizes, missing_local_file,
+from .data import (add_data_args, caption_digests, data_keys, image_sizes, local_file_sizes, missing_local_file,
                    resolve_dataset_type, sources, undecodable_keys)
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
@@ -216,11 +216,12 @@ def normalized(name: str, keys, features: np.ndarray) -> np.ndarray:
 
 def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imported', normalize=False,
                  overwrite=False, progress=True, source_bytes: dict = None, captions_sha256: dict = None,
-                 undecodable=None, rows_are_index=False) -> FeatureStore:
+                 image_bytes: dict = None, undecodable=None, rows_are_index=False) -> FeatureStore:
     """Write the store `output` from the feature files and directories `inputs`, one per shard of the data, whose
     samples `data_keys` lists ({shard name: keys in data order}); see the module's docstring for the files and the
-    checks; `source_bytes` the sizes of the shards' local files (`data.local_file_sizes`) and `captions_sha256` a
-    CSV's captions (`data.caption_digests`), recorded for training to check; `undecodable(shard,
+    checks; `source_bytes` the sizes of the shards' local files (`data.local_file_sizes`), `captions_sha256` a
+    CSV's captions (`data.caption_digests`) and `image_bytes` some of its images' sizes (`data.image_sizes`),
+    recorded for training to check; `undecodable(shard,
     keys)` those of a shard's samples that cannot be decoded (left out, as precompute leaves them); `rows_are_index`
     for a CSV (its image paths may repeat). Returns the store; raises a FeatureStoreError, with nothing written, if
     any check fails."""
@@ -240,7 +241,7 @@ def import_store(inputs, data_keys: dict, output, *, dtype='float16', model='imp
         raise FeatureStoreError(f"input '{inputs[foreign[0]][0]}': '{foreign[0]}' is not a shard of the data "
                                 f"(its shards are e.g. '{next(iter(data_keys))}')")
     writer = FeatureStoreWriter(output, model, '', dtype=dtype, shards=list(data_keys), source_bytes=source_bytes,
-                                captions_sha256=captions_sha256)
+                                captions_sha256=captions_sha256, image_bytes=image_bytes)
     dim = None
     try:
         for name, keys in tqdm(data_keys.items(), unit='shard', desc='import', disable=not progress):
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
         store = import_store(args.inputs, data_keys(args), args.output, dtype=args.dtype, model=args.model,
                              normalize=args.normalize, overwrite=args.overwrite,
                              source_bytes=None if csv else local_file_sizes(urls.items()),
-                             captions_sha256=caption_digests(args), rows_are_index=csv,
+                             captions_sha256=caption_digests(args), image_bytes=image_sizes(args), rows_are_index=csv,
                              undecodable=None if csv else lambda shard, keys: undecodable_keys(urls[shard], keys))
     except FeatureStoreError as e:
         raise SystemExit(f"import: {e}")

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import open_clip
 import pytest
 import torch
@@ -496,10 +497,12 @@ def test_a_store_of_other_captions_stops_training_and_fails_verify(shapes, tmp_p
     assert not (tmp_path / 'x').exists()  # stopped at start-up, before OpenCLIP created the run
 
 
-def test_a_relative_csv_read_from_another_folder_is_not_given_the_stores_features(shapes, tmp_path, monkeypatch):
+@pytest.mark.parametrize('writer', ['precompute', 'import'])
+def test_a_relative_csv_read_from_another_folder_is_not_given_the_stores_features(shapes, tmp_path, monkeypatch,
+                                                                                  writer):
     """A CSV's image paths relative to the working directory: the same CSV run from another folder names other
     image files by the same paths, which the store's keys (the paths as written) cannot tell; it recorded the sizes
-    of some of them. A dataset moved with the store, the same files, trains."""
+    of some of them, whether computed or imported. A dataset moved with the store, the same files, trains."""
     import shutil
     lines = shapes['csv'].read_text().splitlines()
     rows = [line.split('\t') for line in lines[1:]]
@@ -511,9 +514,15 @@ def test_a_relative_csv_read_from_another_folder_is_not_given_the_stores_feature
             [lines[0]] + ['\t'.join([f'img/{Path(path).name}', *rest]) for path, *rest in rows]) + '\n')
     store = tmp_path / 'ref'
     monkeypatch.chdir(tmp_path / 'written')
-    assert precompute.main(['--model', shapes['model'], '--train-data', 'rel.csv', '--csv-separator', '\t',
-                            '--csv-img-key', 'filepath', '--csv-caption-key', 'title', '--output', store,
-                            '--batch-size', '16', '--workers', '0']) == 0
+    data = ['--train-data', 'rel.csv', '--csv-separator', '\t', '--csv-img-key', 'filepath', '--csv-caption-key',
+            'title', '--output', store]
+    if writer == 'precompute':
+        assert precompute.main(['--model', shapes['model'], *data, '--batch-size', '16', '--workers', '0']) == 0
+    else:
+        features = np.random.default_rng(0).normal(size=(2, len(rows), 16))
+        features /= np.linalg.norm(features, axis=-1, keepdims=True)
+        np.savez(tmp_path / 'rel.npz', image_features=features[0], text_features=features[1])
+        assert precompute.main(['import', tmp_path / 'rel.npz', *data]) == 0
     args = train_args(shapes, tmp_path, 'x', *DRRHO, '--ref-features', store)
     args[args.index('--train-data') + 1] = 'rel.csv'
     result = run_openclip(args, check=False, cwd=tmp_path / 'other')

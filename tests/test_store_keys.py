@@ -1,10 +1,13 @@
 """How a store names its shards and spells their sample keys on disk: consecutive zero-padded numbers as one record,
 others as UTF-8."""
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from drrho_openclip.data import image_mismatch
 from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter, shard_name
 
 DIM = 8
@@ -125,8 +128,11 @@ def test_a_shard_is_named_after_its_file_up_to_the_data_extension(source, name):
 def test_a_store_written_when_names_ended_at_the_first_dot_still_finds_its_shards(tmp_path):
     """Stores written before kept `data.v2.csv`'s features as shard 'data': looked up under today's name 'data.v2',
     they are found there; a store written today is not searched so (its 'train' is another file's than train.v2)."""
-    keys = ['a.png', 'b.png']
-    writer = FeatureStoreWriter(tmp_path / 'ref', model='m', pretrained='', dim=4)
+    keys = [str(tmp_path / 'a.png'), str(tmp_path / 'b.png')]
+    for size, key in enumerate(keys, 1):
+        Path(key).write_bytes(b'x' * size)
+    writer = FeatureStoreWriter(tmp_path / 'ref', model='m', pretrained='', dim=4,
+                                image_bytes={'data': {'0': 1, '1': 2}})
     writer.add_shard('data', keys, np.eye(4)[:2], np.eye(4)[2:])
     writer.close()
     store = FeatureStore.open(tmp_path / 'ref')
@@ -138,5 +144,8 @@ def test_a_store_written_when_names_ended_at_the_first_dot_still_finds_its_shard
     manifest.write_text(json.dumps(content))
     store = FeatureStore.open(tmp_path / 'ref')
     assert store.shard(shard_name('data.v2.csv')).name == 'data'
-    assert store.index_of('data.v2', 'b.png') == 1 and list(store.keys('data.v2')) == keys
+    assert store.index_of('data.v2', keys[1]) == 1 and list(store.keys('data.v2')) == keys
+    csv = SimpleNamespace(train_data='data.v2.csv')
+    assert image_mismatch(store.shard('data.v2'), csv, keys) is None
+    assert 'row 0 of' in image_mismatch(store.shard('data.v2'), csv, keys[::-1])
     assert np.array_equal(store.shard_features('data.v2')[1], np.stack([np.eye(4)[1], np.eye(4)[3]]))
