@@ -43,9 +43,9 @@ def resolve_dataset_type(args):
 
 def shard_urls(train_data: str):
     """Every WebDataset shard URL of --train-data, in order, as webdataset reads them: its '::'-joined sources, each
-    `${VAR}` replaced by the environment's WDS_VAR, brace-expanded."""
+    `${VAR}` replaced by the environment's WDS_VAR (webdataset >= 0.2.48), brace-expanded."""
     unset = sorted({name for name in re.findall(r'\$\{(\w+)\}', train_data) if f'WDS_{name}' not in os.environ})
-    if unset:
+    if unset and hasattr(webdataset.shardlists, 'envsubst'):
         raise SystemExit(f"--train-data '{train_data}': webdataset reads ${{{unset[0]}}} from the environment "
                          f"variable WDS_{unset[0]}, which is not set")
     return webdataset.shardlists.expand_urls(train_data)
