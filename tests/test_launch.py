@@ -2,6 +2,7 @@
 runs for real (two CPU ranks)."""
 import os
 import shlex
+import socket
 import subprocess
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def test_slurm_train_runs_one_torchrun_per_node_with_a_c10d_rendezvous(fake_scon
     launcher = cmd[torchrun:cmd.index('open_clip_train.main')]
     assert option(launcher, '--nnodes') == '2' and option(launcher, '--nproc_per_node') == '4'
     assert option(launcher, '--rdzv_backend') == 'c10d' and option(launcher, '--rdzv_id') == '4242'
-    assert option(launcher, '--rdzv_endpoint') == f'gpu07:{29500 + 4242 % 1000}'
+    host, port = option(launcher, '--rdzv_endpoint').split(':')
+    assert host == 'gpu07' and 1024 <= int(port) < 65536  # a port that was free on the node the script ran on
     args = training_args(cmd)
     assert option(args, '--loss') == 'drrho' and option(args, '--ref-features') == '/feat'
     assert option(args, '--resume') == 'latest' and '--save-most-recent' in args
@@ -82,11 +84,31 @@ def test_slurm_train_runs_one_torchrun_per_node_with_a_c10d_rendezvous(fake_scon
     assert args[-2:] == ['--lr', '1e-3']  # the script's arguments come last, so they win
 
 
+def test_slurm_train_does_not_rendezvous_on_a_port_another_job_listens_on(fake_scontrol):
+    """Two jobs sharing the first node: a port derived from the job id (29500 + id % 1000) was the same for job ids
+    a thousand apart, and the second job's rendezvous failed to bind it."""
+    listening = socket.socket()
+    for port in range(29500, 30500):  # one the former rule would pick for some job id
+        try:
+            listening.bind(('', port))
+            break
+        except OSError:
+            continue
+    listening.listen()
+    with listening:
+        cmd = printed_command('slurm_train.sbatch', path_prefix=fake_scontrol, SLURM_JOB_NODELIST='gpu[07-08]',
+                              SLURM_NNODES='2', SLURM_JOB_ID=str(1000 + port - 29500))
+        chosen = int(option(cmd, '--rdzv_endpoint').split(':')[1])
+        assert chosen != port
+        with socket.socket() as probe:
+            probe.bind(('', chosen))  # free on this node
+
+
 def test_slurm_train_takes_the_first_node_of_a_long_node_list(fake_scontrol):
     """`scontrol ... | head -n 1` under pipefail: scontrol, killed by SIGPIPE, ended the job with status 141."""
     cmd = printed_command('slurm_train.sbatch', path_prefix=fake_scontrol, SLURM_JOB_NODELIST='big[1-20000]',
                           SLURM_NNODES='20000', SLURM_JOB_ID='7')
-    assert option(cmd, '--rdzv_endpoint') == f'big00001:{29500 + 7}'
+    assert option(cmd, '--rdzv_endpoint').split(':')[0] == 'big00001'
 
 
 @pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
@@ -101,8 +123,9 @@ def test_train_args_over_several_lines_and_empty(script):
 
 
 def test_slurm_train_dry_run_outside_slurm_and_a_loss_without_reference():
-    cmd = printed_command('slurm_train.sbatch', LOSS='sogclr', REF_FEATURES='', SAMPLE_INDEX='/index')
-    assert option(cmd, '--rdzv_endpoint') == 'MASTER_NODE:29500'
+    cmd = printed_command('slurm_train.sbatch', LOSS='sogclr', REF_FEATURES='', SAMPLE_INDEX='/index',
+                          MASTER_PORT='29400')
+    assert option(cmd, '--rdzv_endpoint') == 'MASTER_NODE:29400'  # a port given is the port used
     args = training_args(cmd)
     assert option(args, '--loss') == 'sogclr' and '--ref-features' not in args
     assert option(args, '--sample-index') == '/index'
