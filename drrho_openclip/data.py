@@ -48,7 +48,10 @@ def shard_urls(train_data: str):
     if unset and hasattr(webdataset.shardlists, 'envsubst'):
         raise SystemExit(f"--train-data '{train_data}': webdataset reads ${{{unset[0]}}} from the environment "
                          f"variable WDS_{unset[0]}, which is not set")
-    return webdataset.shardlists.expand_urls(train_data)
+    try:
+        return webdataset.shardlists.expand_urls(train_data)
+    except AssertionError as e:  # a variable in a variable's value that is not set
+        raise SystemExit(f"--train-data '{train_data}': webdataset cannot expand it: {e}") from None
 
 
 def sources(args):
@@ -87,12 +90,13 @@ def missing_local_file(named_urls) -> Optional[str]:
     return None
 
 
-def shard_name_collision(urls) -> Optional[Tuple[str, str]]:
-    """The first two different URLs with one shard file name, or None: a store keys shards by file name, so they
-    would read one shard's features and per-sample state (the same URL twice reads the same shard: no collision)."""
+def shard_name_collision(urls, named=shard_name) -> Optional[Tuple[str, str]]:
+    """The first two different URLs with one shard name (`named`: a store's), or None: a store keys shards by file
+    name, so they would read one shard's features and per-sample state (the same URL twice reads the same shard: no
+    collision)."""
     first = {}
     for url in urls:
-        seen = first.setdefault(shard_name(url), url)
+        seen = first.setdefault(named(url), url)
         if seen != url:
             return seen, url
     return None

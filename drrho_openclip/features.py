@@ -56,6 +56,7 @@ from functools import lru_cache
 from pathlib import Path
 from stat import S_ISREG
 from typing import Dict, List, Optional, Sequence
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -92,10 +93,23 @@ class Shard:
 
 def shard_name(source: str) -> str:
     """The store name of a data shard or CSV file: its file name up to its data extension (the whole name where it
-    has none), so that `train.000.tar` and `train.001.tar` are two shards."""
-    base = os.path.basename(str(source).rstrip('/'))
+    has none), so that `train.000.tar` and `train.001.tar` are two shards. A URL's file name is its path's; a
+    `pipe:` command's, that of its last argument with a data extension (`pipe:aws s3 cp s3://b/00042.tar
+    /dev/stdout`: `00042`)."""
+    source = str(source)
+    if source.startswith('pipe:'):
+        source = next((arg for arg in reversed(source[len('pipe:'):].split())
+                       if DATA_EXTENSION.search(os.path.basename(arg))), source)
+    elif '://' in source:
+        source = urlparse(source).path  # without a query, which may hold a '/'
+    base = os.path.basename(source.rstrip('/'))
     extension = DATA_EXTENSION.search(base)
     return base[:extension.start()] if extension is not None and extension.start() > 0 else base
+
+
+def first_dot_name(name: str) -> str:
+    """The name a store written before `SHARD_NAMES` gave the shard that `shard_name` now names `name`."""
+    return name.split('.')[0] if not name.startswith('.') else name
 
 
 def shard_files(name: str, dtype: Optional[str]) -> List[str]:
@@ -283,8 +297,8 @@ class FeatureStore:
     def stored_name(self, name: str) -> str:
         """The name under which this store holds the shard a data file's `shard_name` names: itself, or in a store
         written before that rule, the name up to its first dot (`train.v2` of `train.v2.csv` was stored as `train`)."""
-        if name not in self._by_name and self._first_dot_names and name.split('.')[0] in self._by_name:
-            return name.split('.')[0]
+        if name not in self._by_name and self._first_dot_names and first_dot_name(name) in self._by_name:
+            return first_dot_name(name)
         return name
 
     def shard(self, name: str) -> Shard:
@@ -416,9 +430,11 @@ def finished_store_differences(root, model: Optional[str], pretrained: Optional[
         found.update({key: {shard['name']: shard[key] for shard in stored if key in shard} for key in SOURCE_KEYS})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FeatureStoreError(f"'{path}' is not a store's manifest ({type(e).__name__}: {e})") from None
-    wanted = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype, shards=list(shards),
-                  source_bytes=dict(source_bytes or {}), captions_sha256=dict(captions_sha256 or {}),
-                  image_bytes=dict(image_bytes or {}))
+    named = (lambda name: name) if manifest.get('shard_names') == SHARD_NAMES else first_dot_name  # as it was written
+    wanted = dict(format=FORMAT_VERSION, model=model, pretrained=pretrained, dtype=dtype,
+                  shards=[named(name) for name in shards],
+                  **{key: {named(name): value for name, value in (of_shard or {}).items()}
+                     for key, of_shard in zip(SOURCE_KEYS, (source_bytes, captions_sha256, image_bytes))})
     return _differences(found, wanted)
 
 
@@ -475,13 +491,21 @@ class FeatureStoreWriter:
         plan = {**self.meta, 'shards': self.plan, **self.sources}
         path = self.root / PLAN
         if path.is_file():
-            differ = _differences(json.loads(path.read_text()), plan)
+            found = json.loads(path.read_text())
+            # a plan of an earlier version names shards up to their first dot: resumed where its names are the same
+            self.shard_names = found.get('shard_names')
+            differ = _differences(found, plan)
+            if differ and self.shard_names != SHARD_NAMES and found.get('shards') != plan['shards']:
+                raise FeatureStoreError(f"'{self.root}' holds an unfinished store started by an earlier version, "
+                                        f"which named shards up to the first dot of their file names: finish it with "
+                                        f"that version, or delete it to start afresh")
             if differ:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
                                         f"resume it with the same settings, or delete it to start afresh")
         else:
+            self.shard_names = SHARD_NAMES
             tmp = _tmp_path(path)
-            tmp.write_text(json.dumps(plan, indent=1))
+            tmp.write_text(json.dumps({**plan, 'shard_names': SHARD_NAMES}, indent=1))
             os.replace(tmp, path)
 
     @classmethod
@@ -589,7 +613,8 @@ class FeatureStoreWriter:
         shards = [dict(name=name, count=found[name][0], keys_sha256=self._keys_digest(name),
                        **{key: of_shard[name] for key, of_shard in self.sources.items() if name in of_shard})
                   for name in names]
-        manifest = {**self.meta, 'dim': dims[0], 'shard_names': SHARD_NAMES, 'shards': shards}
+        naming = {'shard_names': self.shard_names} if self.shard_names else {}  # none: an earlier version's plan
+        manifest = {**self.meta, 'dim': dims[0], **naming, 'shards': shards}
         (self.root / MANIFEST).write_text(json.dumps(manifest, indent=1))
         previous = self.final.with_name(self.final.name + '.previous')
         if previous.exists():  # the store a killed close() was replacing: this one replaces it as well

@@ -120,6 +120,8 @@ def test_a_shard_is_added_once_and_a_manifest_listing_one_twice_is_refused(tmp_p
 @pytest.mark.parametrize('source, name', [
     ('shards/00042.tar', '00042'), ('train.000.tar', 'train.000'), ('s3/a.b.tar.gz', 'a.b'), ('data.v2.csv', 'data.v2'),
     ('pipe:aws s3 cp s3://bucket/train-01.tar -', 'train-01'), ('https://host/00001.tar?token=x', '00001'),
+    ('pipe:aws s3 cp s3://bucket/train-02.tar /dev/stdout', 'train-02'), ('https://h/00002.tar?sig=a/b', '00002'),
+    ('pipe:curl -s -L https://host/a.b.tar.gz', 'a.b'), ('file:///data/00003.tar', '00003'),
     ('train.tarball.tar', 'train.tarball'), ('shard-7', 'shard-7'), ('notes.txt', 'notes.txt')])
 def test_a_shard_is_named_after_its_file_up_to_the_data_extension(source, name):
     assert shard_name(source) == name

@@ -1,6 +1,9 @@
 """WebDataset input: reference features written per shard by the precompute command, looked up by `__key__`."""
 import io
+import json
+import logging
 import math
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +14,8 @@ import webdataset
 
 from conftest import ENV, checkpoint, run_openclip
 from drrho_openclip import precompute
-from drrho_openclip.features import FeatureStore
+from drrho_openclip.data import shard_urls
+from drrho_openclip.features import FeatureStore, first_dot_name
 
 
 def wds_args(shapes, shards, logs, name, *extra):
@@ -261,3 +265,104 @@ def test_shard_urls_with_environment_variables_are_read_as_webdataset_reads_them
     result = subprocess.run(command, capture_output=True, text=True, env=ENV)
     assert result.returncode == 1
     assert "webdataset reads ${SHARDS} from the environment variable WDS_SHARDS, which is not set" in result.stderr
+
+
+def as_written_before_shard_names(folder, plan=False):
+    """Make the store (or with `plan`, the unfinished store's plan) in `folder` what an earlier version wrote: shards
+    named up to the first dot of their file names, and no record of the rule."""
+    path = folder / ('partial.json' if plan else 'manifest.json')
+    content = json.loads(path.read_text())
+    del content['shard_names']
+    renamed = {}
+    for entry in content['shards']:
+        name = entry if plan else entry['name']
+        renamed[name] = first_dot_name(name)
+        for file in folder.glob(f'{name}.*.npy'):
+            file.rename(folder / (renamed[name] + file.name[len(name):]))
+        if not plan:
+            entry['name'] = renamed[name]
+    if plan:
+        content['shards'] = [renamed[name] for name in content['shards']]
+    for key in ('source_bytes', 'captions_sha256', 'image_bytes'):
+        content[key] = {renamed.get(name, name): value for name, value in content.get(key, {}).items()}
+        if not plan:
+            for entry in content['shards']:
+                entry.pop(key, None)
+            for entry in content['shards']:
+                if entry['name'] in content[key]:
+                    entry[key] = content[key][entry['name']]
+            del content[key]
+    path.write_text(json.dumps(content))
+
+
+@pytest.fixture
+def dotted_shards(shards, tmp_path):
+    """part-0..1 as a.v2.tar and b.v2.tar: one dot more than their data extension."""
+    data = tmp_path / 'dotted'
+    data.mkdir()
+    for s, stem in enumerate('ab'):
+        (data / f'{stem}.v2.tar').write_bytes((shards['root'] / f'part-{s}.tar').read_bytes())
+    return str(data / '{a,b}.v2.tar')
+
+
+def test_a_store_written_before_shard_names_kept_their_dots_is_found_complete_on_a_rerun(shapes, dotted_shards,
+                                                                                         tmp_path, caplog):
+    """A resubmitted precompute over a store an earlier version wrote (shards 'a', 'b' of a.v2.tar, b.v2.tar): the
+    same store, nothing to do (it was refused as one of other shards, data and sizes); training reads it."""
+    store = tmp_path / 'ref'
+    command = ['--model', shapes['model'], '--train-data', dotted_shards, '--output', store, '--workers', '0']
+    assert precompute.main(command) == 0
+    as_written_before_shard_names(store)
+    written = (store / 'manifest.json').read_text()
+    with caplog.at_level(logging.INFO):
+        assert precompute.main(command) == 0
+    assert 'nothing to do' in caplog.text and (store / 'manifest.json').read_text() == written
+    assert [s.name for s in FeatureStore.open(store).shards] == ['a', 'b']
+    assert precompute.main(['verify', store, '--train-data', dotted_shards]) == 0
+
+
+def test_an_unfinished_store_planned_by_an_earlier_version_is_not_finished_under_other_names(shapes, shards,
+                                                                                            dotted_shards, tmp_path):
+    """Its plan names shards up to their first dot: where today's names differ, say so (the settings cannot be made
+    'the same'); where they do not (00000.tar), resume it, and the store says nothing of a rule it was not written by."""
+    store = tmp_path / 'ref'
+    parts = ['--model', shapes['model'], '--output', store, '--workers', '0', '--num-parts', '2', '--part']
+    assert precompute.main(['--train-data', dotted_shards, *parts, '0']) == 0
+    as_written_before_shard_names(tmp_path / 'ref.partial', plan=True)
+    with pytest.raises(SystemExit, match="started by an earlier version, which named shards up to the first dot"):
+        precompute.main(['--train-data', dotted_shards, *parts, '1'])
+    shutil.rmtree(tmp_path / 'ref.partial')
+    urls = str(shards['root'] / 'part-{0..1}.tar')
+    assert precompute.main(['--train-data', urls, *parts, '0']) == 0
+    as_written_before_shard_names(tmp_path / 'ref.partial', plan=True)
+    assert precompute.main(['--train-data', urls, *parts, '1']) == 0
+    assert 'shard_names' not in json.loads((store / 'manifest.json').read_text())
+    assert [s.name for s in FeatureStore.open(store).shards] == ['part-0', 'part-1']
+
+
+def test_two_shards_that_a_store_written_before_holds_as_one_are_refused(shapes, dotted_shards, tmp_path):
+    """A store of an earlier version holds a.v2.tar as 'a': a.v3.tar, today another name, would read its features."""
+    store = tmp_path / 'ref'
+    assert precompute.main(['--model', shapes['model'], '--train-data', dotted_shards, '--output', store,
+                            '--workers', '0']) == 0
+    as_written_before_shard_names(store)
+    other = dotted_shards.replace('{a,b}.v2.tar', 'a.v3.tar')
+    shutil.copy(dotted_shards.replace('{a,b}.v2.tar', 'a.v2.tar'), other)
+    args = wds_args(shapes, {'urls': dotted_shards + '::' + other, 'ref': store}, tmp_path, 'run', '--workers', '0')
+    result = run_openclip(args, check=False)
+    assert result.returncode == 2 and f"'{other}' in --train-data have one file name" in result.stderr
+
+
+def test_environment_variables_openclip_does_not_expand_are_refused(shapes, shards, tmp_path, monkeypatch):
+    """With --train-data-upsampling-factors OpenCLIP reads the URLs as written (no ${VAR}), and waited forever for
+    files named '${...}'; a variable in a variable's value that is not set is named, not a traceback."""
+    monkeypatch.setitem(ENV, 'WDS_SHARDS', str(shards['root']))
+    args = wds_args(shapes, {**shards, 'urls': '${SHARDS}/part-{0..1}.tar::${SHARDS}/part-{2..3}.tar'}, tmp_path,
+                    'run', '--workers', '0', '--dataset-resampled', '--train-data-upsampling-factors', '1::1')
+    result = run_openclip(args, check=False)
+    assert result.returncode == 2 and "OpenCLIP reads the URLs of --train-data as written" in result.stderr
+    if hasattr(webdataset.shardlists, 'envsubst'):
+        monkeypatch.setenv('WDS_ROOT', '${BASE}/x')
+        monkeypatch.delenv('WDS_BASE', raising=False)
+        with pytest.raises(SystemExit, match="webdataset cannot expand it: missing environment variable"):
+            shard_urls('${ROOT}/part-0.tar')

@@ -215,6 +215,10 @@ def check_args(args, parser) -> Run:
     if 'tile_size' in own and 'tile_size' not in given:
         in_force['tile_size'] = args.tile_size = None  # chosen from the global batch once the world size is known
 
+    if trains(args) and args.train_data_upsampling_factors and '${' in (args.train_data or ''):
+        parser.error("--train-data-upsampling-factors: with it OpenCLIP reads the URLs of --train-data as written, "
+                     "without webdataset's ${VAR} substitution, and would look for files named '${...}' forever: "
+                     "write the paths out")
     csv = trains(args) and input_kind(args.train_data, args.dataset_type) == 'csv'
     if csv and missing_local_file([(None, args.train_data)]):
         parser.error(f"--train-data: no such file '{args.train_data}'")
@@ -326,14 +330,13 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
             return moved
         else:
             urls = shard_urls(args.train_data)
-            collision = shard_name_collision(urls)
+            # by the names the store holds them under (those of stores written before end at the first dot)
+            collision = shard_name_collision(urls, lambda url: store.shard(shard_name(url)).name)
             if collision:
                 parser.error(f"{flag(option)}: '{collision[0]}' and '{collision[1]}' in --train-data have one file "
                              f"name, and a store keys shards by file name, so both would read the first one's "
                              f"features and per-sample state: give the shards distinct file names (links will do) "
                              f"and write the store for those")
-            for url in urls:
-                store.shard(shard_name(url))
             return _shard_size_warning(option, store, urls, args.train_data)
     except FeatureStoreError as e:
         parser.error(f"{flag(option)} was not written for --train-data: {e}")

@@ -63,11 +63,12 @@ def _check_every_webdataset_worker_forms_a_batch(run: Run, args):
     readers = args.world_size * max(1, args.workers)
     fewest = sum(counts[:len(urls) // readers])
     if fewest < args.batch_size:
+        remedies = ['fewer --workers'] * (args.workers > 1) + ['a smaller --batch-size', '--dataset-resampled']
         raise SystemExit(f"drrho-openclip: OpenCLIP's WebDataset loader would wait forever for a first batch: its "
                          f"{readers} readers ({args.world_size} rank(s) × {max(1, args.workers)} worker(s)) each pass "
                          f"over {len(urls) // readers} or more of the {len(urls)} shards, which can hold as few as "
                          f"{fewest} samples, fewer than --batch-size {args.batch_size}, and a batch forms within one "
-                         f"pass; give fewer --workers, a smaller --batch-size, or --dataset-resampled")
+                         f"pass; give {', '.join(remedies[:-1])} or {remedies[-1]}")
 
 
 def _with_sample_extras(run: Run, data: dict, args) -> dict:
