@@ -225,13 +225,43 @@ def _grouped(members):
         yield sample
 
 
+class UnreadableShard(OSError):
+    """A WebDataset shard that is no tar file (or none from its first header on): its message names it."""
+
+
 def _raw_samples(url):
-    """The image-text samples of one tar shard, in file order, undecoded (what OpenCLIP's training filter keeps)."""
+    """The image-text samples of one tar shard, in file order, undecoded (what OpenCLIP's training filter keeps).
+    A shard cut short or corrupt after some members gives those, with a warning, as OpenCLIP's training reads them
+    (its handler logs the error and goes on with the next shard); one of none is an `UnreadableShard`."""
     from webdataset.tariterators import tar_file_expander, url_opener
+    errors, members = [], 0
+
+    def go_on(error):
+        errors.append(error)
+        return True
+
+    def counted(stream):
+        nonlocal members
+        for member in stream:
+            members += 1
+            yield member
+
     # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
-    for sample in _grouped(tar_file_expander(url_opener([{'url': url}]))):
+    samples = 0
+    for sample in _grouped(counted(tar_file_expander(url_opener([{'url': url}]), handler=go_on))):
         if 'txt' in sample and any(e in sample for e in IMAGE_EXTENSIONS):
+            samples += 1
             yield sample
+    if errors:
+        error = f"{type(errors[0]).__name__}: {errors[0].args[0] if errors[0].args else errors[0]}"
+        if not members:
+            csv = any(f'.{kind}' in os.path.basename(url).lower() for kind in ('csv', 'tsv'))
+            raise UnreadableShard(f"'{url}' cannot be read as a tar file ({error}): a failed download? Download it "
+                                  f"again, or leave it out of --train-data"
+                                  + (" (a CSV file? pass --dataset-type csv)" if csv else ""))
+        logging.warning(f"'{url}' is cut short or corrupt after {samples} samples ({error}): read as OpenCLIP's "
+                        f"training reads it, those {samples} samples and none after (it skips the rest with a "
+                        f"warning); download it again for the rest")
 
 
 def _decoder():

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, image_sizes, local_file_sizes,
                    local_path, missing_local_file, moved_folders, read_csv, resolve_dataset_type, shard_keys,
-                   shard_samples, sources, undecodable_keys)
+                   shard_samples, sources, undecodable_keys, UnreadableShard)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, check_rows, finished_store_differences, partial_dir, shard_files,
                        shard_name)
@@ -150,12 +150,12 @@ class UnreadableImage(ValueError):
 
 
 def _stopping_at_unreadable(batches):
-    """`batches`, where an unreadable image stops precompute with its one line: raised in a loader worker, torch
-    raises it again with the worker's traceback in its message, whose last line is the error's."""
+    """`batches`, where an unreadable image or shard stops precompute with its one line: raised in a loader worker,
+    torch raises it again with the worker's traceback in its message, whose last line is the error's."""
     try:
         yield from batches
-    except UnreadableImage as e:
-        raise SystemExit(str(e).rstrip().splitlines()[-1].split(f'{UnreadableImage.__name__}: ', 1)[-1]) from None
+    except (UnreadableImage, UnreadableShard) as e:
+        raise SystemExit(str(e).rstrip().splitlines()[-1].split(f'{type(e).__name__}: ', 1)[-1]) from None
 
 
 class _CsvImages(torch.utils.data.Dataset):
@@ -323,8 +323,8 @@ def _write_keys(args, shards, writer) -> int:
     """Write the keys of `shards` ([(name, url)]), each shard as soon as it is read; returns the number of samples."""
     samples, url_of = 0, dict(shards)
     keys_of_shards = torch.utils.data.DataLoader(_ShardKeys(shards), batch_size=None, num_workers=args.workers)
-    for name, keys in tqdm(keys_of_shards, total=len(shards), unit='shard', desc=f'part {args.part}/{args.num_parts}',
-                           dynamic_ncols=True):
+    for name, keys in tqdm(_stopping_at_unreadable(keys_of_shards), total=len(shards), unit='shard',
+                           desc=f'part {args.part}/{args.num_parts}', dynamic_ncols=True):
         _add_shard(writer, url_of[name], name, keys)  # none: img2dataset's shard where every download failed
         samples += len(keys)
     return samples

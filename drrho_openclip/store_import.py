@@ -40,7 +40,7 @@ from tqdm import tqdm
 from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows,
                        first_duplicate, partial_dir, shard_name)
 from .data import (add_data_args, caption_digests, data_keys, image_sizes, local_file_sizes, missing_local_file,
-                   resolve_dataset_type, sources, undecodable_keys)
+                   resolve_dataset_type, sources, undecodable_keys, UnreadableShard)
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
 NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
                              source_bytes=None if csv else local_file_sizes(urls.items()),
                              captions_sha256=caption_digests(args), image_bytes=image_sizes(args), rows_are_index=csv,
                              undecodable=None if csv else lambda shard, keys: undecodable_keys(urls[shard], keys))
-    except FeatureStoreError as e:
+    except (FeatureStoreError, UnreadableShard) as e:
         raise SystemExit(f"import: {e}")
     print(f"wrote reference features of {store.num_samples} samples ({len(store.shards)} shards, dim {store.dim}, "
           f"{store.dtype}) to {store.root}")

@@ -366,3 +366,29 @@ def test_environment_variables_openclip_does_not_expand_are_refused(shapes, shar
         monkeypatch.delenv('WDS_BASE', raising=False)
         with pytest.raises(SystemExit, match="webdataset cannot expand it: missing environment variable"):
             shard_urls('${ROOT}/part-0.tar')
+
+
+def test_a_shard_cut_short_gives_the_samples_training_reads_and_one_that_is_no_tar_is_named(shapes, shards, tmp_path,
+                                                                                          caplog):
+    """A download cut short: OpenCLIP's training reads its samples up to the cut and skips the rest with a warning,
+    so the store holds those (precompute ended in tarfile's traceback); a file that is no tar at all (a failed
+    download, a gzipped CSV taken for shards) stops precompute, named."""
+    data = tmp_path / 'data'
+    data.mkdir()
+    shutil.copy(shards['root'] / 'part-0.tar', data / 'part-0.tar')
+    (data / 'part-1.tar').write_bytes((shards['root'] / 'part-1.tar').read_bytes()[:30000])
+    urls = str(data / 'part-{0..1}.tar')
+    with caplog.at_level(logging.WARNING):
+        assert precompute.main(['--model', shapes['model'], '--train-data', urls, '--output', tmp_path / 'ref',
+                                '--workers', '0']) == 0
+    store = FeatureStore.open(tmp_path / 'ref')
+    cut = store.shard('part-1').count
+    assert 0 < cut < 16 and list(store.keys('part-1')) == list(FeatureStore.open(shards['ref']).keys('part-1'))[:cut]
+    assert f"'{data / 'part-1.tar'}' is cut short or corrupt after {cut} samples" in caplog.text
+    args = wds_args(shapes, {'urls': urls, 'ref': tmp_path / 'ref'}, tmp_path, 'run', '--workers', '0')
+    args[args.index('--epochs') + 1] = '1'
+    run_openclip(args)  # every sample it reads has its features
+    (data / 'part-1.tar').write_bytes(b'\x1f\x8b' + bytes(600))
+    with pytest.raises(SystemExit, match=f"'{data / 'part-1.tar'}' cannot be read as a tar file"):
+        precompute.main(['--model', shapes['model'], '--train-data', urls, '--output', tmp_path / 'ref2',
+                         '--workers', '0'])
