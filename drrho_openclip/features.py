@@ -5,8 +5,10 @@ Layout of a store directory:
     manifest.json              model, pretrained, dim, dtype and the ordered list of shards with their sample counts
                                and, where written from local tar files, their sizes in bytes (`source_bytes`: training
                                warns when its shards differ), or from a CSV, the sha256 of its captions
-                               (`captions_sha256`: training stops when they differ) (a keys-only store: dtype null,
-                               dim 0, model and pretrained null)
+                               (`captions_sha256`: training stops when they differ) and some of its images' sizes
+                               (`image_bytes`), each shard's keys digest (`keys_sha256`), and the rule its shards
+                               are named by (`shard_names`; none in stores of earlier versions, which cut a name at
+                               its first dot) (a keys-only store: dtype null, dim 0, model and pretrained null)
     <shard>.features.npy       [n, 2, dim] array: [:, 0] image features, [:, 1] text features, in the store's dtype:
                                float16 (default), float32, or int8 (then scaled by the next file)
     <shard>.scales.npy         int8 stores only: [n, 2] float32, one scale per feature vector (feature = int8 * scale)
