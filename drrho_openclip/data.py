@@ -226,15 +226,17 @@ def _grouped(members):
 
 
 class UnreadableShard(OSError):
-    """A WebDataset shard that is no tar file (or none from its first header on): its message names it."""
+    """A WebDataset shard that cannot be read: a local file that is no tar (or none from its first header on), or
+    a stream (`pipe:`, http) that failed; its message names it."""
 
 
 def _raw_samples(url):
     """The image-text samples of one tar shard, in file order, undecoded (what OpenCLIP's training filter keeps).
-    A shard cut short or corrupt after some members gives those, with a warning, as OpenCLIP's training reads them
-    (its handler logs the error and goes on with the next shard); one of none is an `UnreadableShard`."""
+    A local file cut short or corrupt after some members gives those, with a warning, as OpenCLIP's training reads
+    it (its handler logs the error and goes on with the next shard); one of none, or a stream that fails (where the
+    samples before the failure depend on when it failed, so training may read others), is an `UnreadableShard`."""
     from webdataset.tariterators import tar_file_expander, url_opener
-    errors, members = [], 0
+    errors, members, samples = [], 0, 0
 
     def go_on(error):
         errors.append(error)
@@ -247,21 +249,24 @@ def _raw_samples(url):
             yield member
 
     # not wds.WebDataset: it splits its shards over loader workers and refuses to run under torchrun
-    samples = 0
     for sample in _grouped(counted(tar_file_expander(url_opener([{'url': url}]), handler=go_on))):
         if 'txt' in sample and any(e in sample for e in IMAGE_EXTENSIONS):
             samples += 1
             yield sample
-    if errors:
-        error = f"{type(errors[0]).__name__}: {errors[0].args[0] if errors[0].args else errors[0]}"
-        if not members:
-            csv = any(f'.{kind}' in os.path.basename(url).lower() for kind in ('csv', 'tsv'))
-            raise UnreadableShard(f"'{url}' cannot be read as a tar file ({error}): a failed download? Download it "
-                                  f"again, or leave it out of --train-data"
-                                  + (" (a CSV file? pass --dataset-type csv)" if csv else ""))
-        logging.warning(f"'{url}' is cut short or corrupt after {samples} samples ({error}): read as OpenCLIP's "
-                        f"training reads it, those {samples} samples and none after (it skips the rest with a "
-                        f"warning); download it again for the rest")
+    if not errors:
+        return
+    error = f"{type(errors[0]).__name__}: {errors[0].args[0] if errors[0].args else errors[0]}"
+    if local_path(url) is None:
+        raise UnreadableShard(f"'{url}' failed after {samples} samples ({error}): run again once it reads (the "
+                              f"shards written so far are kept)")
+    if not members:
+        csv = any(f'.{kind}' in os.path.basename(url).lower() for kind in ('csv', 'tsv'))
+        raise UnreadableShard(f"no sample of '{url}' can be read ({error}): a failed download, or no tar file? "
+                              f"Download it again and run again (the shards written so far are kept)"
+                              + (" (a CSV file? pass --dataset-type csv)" if csv else ""))
+    logging.warning(f"'{url}' is cut short or corrupt after {samples} samples ({error}): read as OpenCLIP's "
+                    f"training reads it, those {samples} samples and none after (it skips the rest with a warning); "
+                    f"for the rest, download it again and write the store again (--overwrite)")
 
 
 def _decoder():

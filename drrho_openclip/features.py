@@ -102,8 +102,8 @@ def shard_name(source: str) -> str:
     if source.startswith('pipe:'):
         source = next((arg for arg in reversed(source[len('pipe:'):].split())
                        if DATA_EXTENSION.search(os.path.basename(arg))), source)
-    elif '://' in source:
-        source = urlparse(source).path  # without a query, which may hold a '/'
+    elif '://' in source and DATA_EXTENSION.search(os.path.basename(urlparse(source).path)):
+        source = urlparse(source).path  # without a query, which may hold a '/' (a query naming the file is kept)
     base = os.path.basename(source.rstrip('/'))
     extension = DATA_EXTENSION.search(base)
     return base[:extension.start()] if extension is not None and extension.start() > 0 else base
@@ -359,7 +359,9 @@ class FeatureStore:
         shard = self.shard(name)
         row = self._rows(shard.name).get(str(key))
         if row is None:
-            raise FeatureStoreError(f"sample '{key}' of shard '{name}' is not in '{self.root}'")
+            raise FeatureStoreError(f"sample '{key}' of shard '{name}' is not in '{self.root}' (a shard changed since "
+                                    f"the store was written, e.g. downloaded again? `drrho-openclip-features verify` "
+                                    f"compares them; write the store for this data)")
         return shard.offset + row
 
     def shard_features(self, name: str) -> np.ndarray:
@@ -494,13 +496,14 @@ class FeatureStoreWriter:
         path = self.root / PLAN
         if path.is_file():
             found = json.loads(path.read_text())
-            # a plan of an earlier version names shards up to their first dot: resumed where its names are the same
-            self.shard_names = found.get('shard_names')
-            differ = _differences(found, plan)
-            if differ and self.shard_names != SHARD_NAMES and found.get('shards') != plan['shards']:
+            # a plan of an earlier version names shards up to their first dot: resumed where its names are today's
+            self.shard_names = SHARD_NAMES
+            if found.get('shard_names') != SHARD_NAMES and found.get('shards') != plan['shards']:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store started by an earlier version, "
                                         f"which named shards up to the first dot of their file names: finish it with "
                                         f"that version, or delete it to start afresh")
+            self._take_new_sizes_of_unfinished_shards(found, path)
+            differ = _differences(found, plan)
             if differ:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
                                         f"resume it with the same settings, or delete it to start afresh")
@@ -510,6 +513,18 @@ class FeatureStoreWriter:
             tmp.write_text(json.dumps({**plan, 'shard_names': SHARD_NAMES}, indent=1))
             os.replace(tmp, path)
 
+    def _take_new_sizes_of_unfinished_shards(self, found: dict, path: Path):
+        """A data file replaced before its shard was written (one that stopped precompute, downloaded again): the
+        plan takes its new size, so that the run goes on with the shards already written."""
+        planned, given = found.get('source_bytes') or {}, self.sources['source_bytes']
+        replaced = {name: size for name, size in given.items()
+                    if name in planned and planned[name] != size and not self.finished(name)}
+        if replaced and found.get('shards') == self.plan:
+            found['source_bytes'] = {**planned, **replaced}
+            tmp = _tmp_path(path)
+            tmp.write_text(json.dumps(found, indent=1))
+            os.replace(tmp, path)
+
     @classmethod
     def resume(cls, root) -> 'FeatureStoreWriter':
         """A writer for the unfinished store of `root`, with the settings and shards it was started with."""
@@ -517,9 +532,14 @@ class FeatureStoreWriter:
         if not path.is_file():
             raise FeatureStoreError(f"'{path}' is missing: there is no unfinished store for '{root}'")
         plan = json.loads(path.read_text())
-        return cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'],
-                   source_bytes=plan.get('source_bytes'), captions_sha256=plan.get('captions_sha256'),
-                   image_bytes=plan.get('image_bytes'))
+        writer = cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'],
+                     source_bytes=plan.get('source_bytes'), captions_sha256=plan.get('captions_sha256'),
+                     image_bytes=plan.get('image_bytes'))
+        if plan.get('shard_names') != SHARD_NAMES and not any('.' in name.lstrip('.') for name in plan['shards']):
+            # an earlier version's plan, whose names may have been cut at a first dot: stored as such (a name with
+            # a dot is today's, which that rule never gave)
+            writer.shard_names = None
+        return writer
 
     def add_shard(self, name: str, keys: Sequence[str], image_features: np.ndarray = None,
                   text_features: np.ndarray = None, rows_are_index: bool = False):

@@ -122,6 +122,7 @@ def test_a_shard_is_added_once_and_a_manifest_listing_one_twice_is_refused(tmp_p
     ('pipe:aws s3 cp s3://bucket/train-01.tar -', 'train-01'), ('https://host/00001.tar?token=x', '00001'),
     ('pipe:aws s3 cp s3://bucket/train-02.tar /dev/stdout', 'train-02'), ('https://h/00002.tar?sig=a/b', '00002'),
     ('pipe:curl -s -L https://host/a.b.tar.gz', 'a.b'), ('file:///data/00003.tar', '00003'),
+    ('https://host/get?f=00004.tar', 'get?f=00004'), ('https://host/api/shard?id=17', 'shard?id=17'),
     ('train.tarball.tar', 'train.tarball'), ('shard-7', 'shard-7'), ('notes.txt', 'notes.txt')])
 def test_a_shard_is_named_after_its_file_up_to_the_data_extension(source, name):
     assert shard_name(source) == name
@@ -151,3 +152,27 @@ def test_a_store_written_when_names_ended_at_the_first_dot_still_finds_its_shard
     assert image_mismatch(store.shard('data.v2'), csv, keys) is None
     assert 'row 0 of' in image_mismatch(store.shard('data.v2'), csv, keys[::-1])
     assert np.array_equal(store.shard_features('data.v2')[1], np.stack([np.eye(4)[1], np.eye(4)[3]]))
+
+
+@pytest.mark.parametrize('names, recorded', [(['train.000', 'train.001'], True), (['part-0', 'part-1'], False)])
+def test_an_unfinished_store_of_an_earlier_version_is_finished_under_the_rule_its_names_show(tmp_path, names,
+                                                                                             recorded):
+    """`--finalize` of a plan that records no naming rule: names with a dot are today's (the first-dot rule never
+    gave one), and the store says so; names without may be cut at a first dot, and the store leaves them to be
+    resolved so (today's 'part-0.v2' finds 'part-0')."""
+    writer = FeatureStoreWriter(tmp_path / 'ref', None, None, dtype=None, shards=names)
+    for name in names:
+        writer.add_shard(name, ['a', 'b'])
+    plan = tmp_path / 'ref.partial' / 'partial.json'
+    content = json.loads(plan.read_text())
+    del content['shard_names']
+    plan.write_text(json.dumps(content))
+    assert FeatureStoreWriter.resume(tmp_path / 'ref').close()
+    manifest = json.loads((tmp_path / 'ref' / 'manifest.json').read_text())
+    assert ('shard_names' in manifest) == recorded
+    store = FeatureStore.open(tmp_path / 'ref')
+    if recorded:
+        with pytest.raises(FeatureStoreError, match=f"no sample keys for shard '{names[0]}.v2'"):
+            store.shard(names[0] + '.v2')
+    else:
+        assert store.shard(names[0] + '.v2').name == names[0]

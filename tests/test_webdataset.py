@@ -324,7 +324,7 @@ def test_a_store_written_before_shard_names_kept_their_dots_is_found_complete_on
 def test_an_unfinished_store_planned_by_an_earlier_version_is_not_finished_under_other_names(shapes, shards,
                                                                                             dotted_shards, tmp_path):
     """Its plan names shards up to their first dot: where today's names differ, say so (the settings cannot be made
-    'the same'); where they do not (00000.tar), resume it, and the store says nothing of a rule it was not written by."""
+    'the same'); where they do not (00000.tar), resume it."""
     store = tmp_path / 'ref'
     parts = ['--model', shapes['model'], '--output', store, '--workers', '0', '--num-parts', '2', '--part']
     assert precompute.main(['--train-data', dotted_shards, *parts, '0']) == 0
@@ -336,8 +336,8 @@ def test_an_unfinished_store_planned_by_an_earlier_version_is_not_finished_under
     assert precompute.main(['--train-data', urls, *parts, '0']) == 0
     as_written_before_shard_names(tmp_path / 'ref.partial', plan=True)
     assert precompute.main(['--train-data', urls, *parts, '1']) == 0
-    assert 'shard_names' not in json.loads((store / 'manifest.json').read_text())
     assert [s.name for s in FeatureStore.open(store).shards] == ['part-0', 'part-1']
+    assert precompute.main(['--train-data', urls, *parts, '1']) == 0  # a rerun: the store is the one it writes
 
 
 def test_two_shards_that_a_store_written_before_holds_as_one_are_refused(shapes, dotted_shards, tmp_path):
@@ -388,7 +388,40 @@ def test_a_shard_cut_short_gives_the_samples_training_reads_and_one_that_is_no_t
     args = wds_args(shapes, {'urls': urls, 'ref': tmp_path / 'ref'}, tmp_path, 'run', '--workers', '0')
     args[args.index('--epochs') + 1] = '1'
     run_openclip(args)  # every sample it reads has its features
+    shutil.copy(shards['root'] / 'part-1.tar', data / 'part-1.tar')  # downloaded again, the store not written again
+    args[args.index('--name') + 1] = 'whole'
+    result = run_openclip(args, check=False)
+    assert result.returncode != 0
+    assert f"'{data / 'part-1.tar'}' is larger: downloaded again after precompute found it cut short?" in result.stderr
+    assert "(a shard changed since the store was written, e.g. downloaded again?" in result.stderr
     (data / 'part-1.tar').write_bytes(b'\x1f\x8b' + bytes(600))
-    with pytest.raises(SystemExit, match=f"'{data / 'part-1.tar'}' cannot be read as a tar file"):
+    with pytest.raises(SystemExit, match=f"no sample of '{data / 'part-1.tar'}' can be read"):
         precompute.main(['--model', shapes['model'], '--train-data', urls, '--output', tmp_path / 'ref2',
+                         '--workers', '0'])
+
+
+def test_a_shard_that_stopped_precompute_can_be_downloaded_again_and_the_run_goes_on(shapes, shards, tmp_path):
+    """A failed download (an empty file) stops precompute, named; downloaded again, the rerun goes on with the
+    shards already written (the plan had recorded the empty file's size, and refused the new one as other data)."""
+    data = tmp_path / 'data'
+    data.mkdir()
+    for s in range(4):
+        shutil.copy(shards['root'] / f'part-{s}.tar', data / f'part-{s}.tar')
+    (data / 'part-2.tar').write_bytes(b'')
+    command = ['--model', shapes['model'], '--train-data', str(data / 'part-{0..3}.tar'), '--output',
+               tmp_path / 'ref', '--workers', '0']
+    with pytest.raises(SystemExit, match=f"no sample of '{data / 'part-2.tar'}' can be read"):
+        precompute.main(command)
+    shutil.copy(shards['root'] / 'part-2.tar', data / 'part-2.tar')
+    assert precompute.main(command) == 0
+    store = FeatureStore.open(tmp_path / 'ref')
+    assert store.num_samples == 64 and store.shard('part-2').source_bytes == (data / 'part-2.tar').stat().st_size
+
+
+def test_a_stream_that_fails_partway_stops_precompute(shapes, shards, tmp_path):
+    """A pipe: or http shard whose stream fails gives the samples read before the failure, which depend on when it
+    failed: stored, training read others and stopped at a sample the store lacked."""
+    url = f"pipe:head -c 30000 {shards['root'] / 'part-1.tar'}; exit 3"
+    with pytest.raises(SystemExit, match=r"failed after \d+ samples .*run again once it reads"):
+        precompute.main(['--model', shapes['model'], '--train-data', url, '--output', tmp_path / 'ref',
                          '--workers', '0'])

@@ -363,10 +363,14 @@ def _shard_size_warning(option: str, store: FeatureStore, urls, train_data: str)
     if not differ:
         return None
     url, size, written_from = differ[0]
+    larger = [url for url, size, written_from in differ if size > written_from]
     return (f"drrho-openclip: {len(differ)} of the {len(checked)} --train-data shards checked differ in size from "
             f"those {flag(option)} was written from, e.g. '{url}': {size} bytes here, {written_from} there. "
             f"Shards filtered since are read rightly; another dataset's shards of the same names (and keys) would "
-            f"read the features of other samples: then write the store for this data")
+            f"read the features of other samples: then write the store for this data"
+            + (f". '{larger[0]}' is larger: downloaded again after precompute found it cut short? Its samples "
+               f"after the cut have no features, and training stops at the first it reads: write the store again "
+               f"(--overwrite)" if larger else ""))
 
 
 def _training_csv(args) -> Tuple[list, str]:
