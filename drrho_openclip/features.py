@@ -214,6 +214,12 @@ def _atomic_save(path: Path, array: np.ndarray):
     os.replace(tmp, path)
 
 
+def _write_plan(path: Path, plan: dict):
+    tmp = _tmp_path(path)
+    tmp.write_text(json.dumps(plan, indent=1))
+    os.replace(tmp, path)
+
+
 def _describe(setting: str, value) -> str:
     """A setting of a store's plan, as a message names it."""
     if setting == 'shards':
@@ -509,9 +515,7 @@ class FeatureStoreWriter:
                                         f"resume it with the same settings, or delete it to start afresh")
         else:
             self.shard_names = SHARD_NAMES
-            tmp = _tmp_path(path)
-            tmp.write_text(json.dumps({**plan, 'shard_names': SHARD_NAMES}, indent=1))
-            os.replace(tmp, path)
+            _write_plan(path, {**plan, 'shard_names': SHARD_NAMES})
 
     def _take_new_sizes_of_unfinished_shards(self, found: dict, path: Path):
         """A data file replaced before its shard was written (one that stopped precompute, downloaded again): the
@@ -521,9 +525,7 @@ class FeatureStoreWriter:
                     if name in planned and planned[name] != size and not self.finished(name)}
         if replaced and found.get('shards') == self.plan:
             found['source_bytes'] = {**planned, **replaced}
-            tmp = _tmp_path(path)
-            tmp.write_text(json.dumps(found, indent=1))
-            os.replace(tmp, path)
+            _write_plan(path, found)
 
     @classmethod
     def resume(cls, root) -> 'FeatureStoreWriter':
