@@ -36,9 +36,9 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import (add_data_args, caption_digests, caption_mismatch, data_keys, image_sizes, local_file_sizes,
-                   local_path, missing_local_file, moved_folders, read_csv, resolve_dataset_type, shard_keys,
-                   shard_samples, sources, undecodable_keys, UnreadableShard)
+from .data import (UnreadableShard, add_data_args, caption_digests, caption_mismatch, data_keys, image_sizes,
+                   local_file_sizes, local_path, missing_local_file, moved_folders, read_csv, resolve_dataset_type,
+                   shard_keys, shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, check_rows, finished_store_differences, partial_dir, shard_files,
                        shard_name)

@@ -39,8 +39,8 @@ from tqdm import tqdm
 
 from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows,
                        first_duplicate, partial_dir, shard_name)
-from .data import (add_data_args, caption_digests, data_keys, image_sizes, local_file_sizes, missing_local_file,
-                   resolve_dataset_type, sources, undecodable_keys, UnreadableShard)
+from .data import (UnreadableShard, add_data_args, caption_digests, data_keys, image_sizes, local_file_sizes,
+                   missing_local_file, resolve_dataset_type, sources, undecodable_keys)
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
 NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)

@@ -56,7 +56,8 @@ def _check_every_webdataset_worker_forms_a_batch(run: Run, args):
     a reader whose shards hold fewer samples than a batch never forms one, and the run waits at its first step
     forever. A reader gets at least (shards // readers) of the shards, shuffled anew each epoch, so the fewest samples
     one can have are those of that many of the smallest shards (the store's counts: the samples that decode)."""
-    if run.index_store is None or args.dataset_resampled or input_kind(args.train_data, args.dataset_type) != 'webdataset':
+    webdataset = input_kind(args.train_data, args.dataset_type) == 'webdataset'
+    if run.index_store is None or args.dataset_resampled or not webdataset:
         return
     urls = shard_urls(args.train_data)
     counts = sorted(run.index_store.shard(shard_name(url)).count for url in urls)
