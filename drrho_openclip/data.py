@@ -257,8 +257,9 @@ def _raw_samples(url):
         return
     error = f"{type(errors[0]).__name__}: {errors[0].args[0] if errors[0].args else errors[0]}"
     if local_path(url) is None:
-        raise UnreadableShard(f"'{url}' failed after {samples} samples ({error}): run again once it reads (the "
-                              f"shards written so far are kept)")
+        raise UnreadableShard(f"'{url}' failed after {samples} samples ({error}): a stream that failed (run again "
+                              f"once it reads: the shards written so far are kept), or a shard cut short (download "
+                              f"it again, or leave it out of --train-data)")
     if not members:
         csv = any(f'.{kind}' in os.path.basename(url).lower() for kind in ('csv', 'tsv'))
         raise UnreadableShard(f"no sample of '{url}' can be read ({error}): a failed download, or no tar file? "
@@ -266,7 +267,8 @@ def _raw_samples(url):
                               + (" (a CSV file? pass --dataset-type csv)" if csv else ""))
     logging.warning(f"'{url}' is cut short or corrupt after {samples} samples ({error}): read as OpenCLIP's "
                     f"training reads it, those {samples} samples and none after (it skips the rest with a warning); "
-                    f"for the rest, download it again and write the store again (--overwrite)")
+                    f"for the rest, download it again and write the store again from the start (--overwrite, or "
+                    f"delete the unfinished store's .partial folder)")
 
 
 def _decoder():

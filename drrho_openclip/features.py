@@ -58,7 +58,7 @@ from functools import lru_cache
 from pathlib import Path
 from stat import S_ISREG
 from typing import Dict, List, Optional, Sequence
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlparse
 
 import numpy as np
 import torch
@@ -95,15 +95,17 @@ class Shard:
 
 def shard_name(source: str) -> str:
     """The store name of a data shard or CSV file: its file name up to its data extension (the whole name where it
-    has none), so that `train.000.tar` and `train.001.tar` are two shards. A URL's file name is its path's; a
-    `pipe:` command's, that of its last argument with a data extension (`pipe:aws s3 cp s3://b/00042.tar
-    /dev/stdout`: `00042`)."""
+    has none), so that `train.000.tar` and `train.001.tar` are two shards. A URL's file name is its path's, or that
+    of a query value with a data extension (`https://h/get?f=00042.tar&sig=...`: `00042`); a `pipe:` command's, that
+    of its last argument with a data extension (`pipe:aws s3 cp s3://b/00042.tar /dev/stdout`: `00042`)."""
     source = str(source)
     if source.startswith('pipe:'):
         source = next((arg for arg in reversed(source[len('pipe:'):].split())
                        if DATA_EXTENSION.search(os.path.basename(arg))), source)
-    elif '://' in source and DATA_EXTENSION.search(os.path.basename(urlparse(source).path)):
-        source = urlparse(source).path  # without a query, which may hold a '/' (a query naming the file is kept)
+    elif '://' in source:  # its path's, or a query value's that names the file (not a token's or signature's)
+        url = urlparse(source)
+        source = next((value for value in [url.path, *(v for _, v in parse_qsl(url.query))]
+                       if DATA_EXTENSION.search(os.path.basename(value))), source)
     base = os.path.basename(source.rstrip('/'))
     extension = DATA_EXTENSION.search(base)
     return base[:extension.start()] if extension is not None and extension.start() > 0 else base
@@ -508,24 +510,26 @@ class FeatureStoreWriter:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store started by an earlier version, "
                                         f"which named shards up to the first dot of their file names: finish it with "
                                         f"that version, or delete it to start afresh")
-            self._take_new_sizes_of_unfinished_shards(found, path)
-            differ = _differences(found, plan)
+            resized = self._with_new_sizes_of_unfinished_shards(found)
+            differ = _differences(resized, plan)
             if differ:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
                                         f"resume it with the same settings, or delete it to start afresh")
+            if resized != found:
+                _write_plan(path, resized)
         else:
             self.shard_names = SHARD_NAMES
             _write_plan(path, {**plan, 'shard_names': SHARD_NAMES})
 
-    def _take_new_sizes_of_unfinished_shards(self, found: dict, path: Path):
-        """A data file replaced before its shard was written (one that stopped precompute, downloaded again): the
-        plan takes its new size, so that the run goes on with the shards already written."""
+    def _with_new_sizes_of_unfinished_shards(self, found: dict) -> dict:
+        """The plan `found`, where a data file was replaced before its shard was written (one that stopped
+        precompute, downloaded again), with its new size: the run goes on with the shards already written."""
         planned, given = found.get('source_bytes') or {}, self.sources['source_bytes']
         replaced = {name: size for name, size in given.items()
                     if name in planned and planned[name] != size and not self.finished(name)}
-        if replaced and found.get('shards') == self.plan:
-            found['source_bytes'] = {**planned, **replaced}
-            _write_plan(path, found)
+        if not replaced or found.get('shards') != self.plan:
+            return found
+        return {**found, 'source_bytes': {**planned, **replaced}}
 
     @classmethod
     def resume(cls, root) -> 'FeatureStoreWriter':
@@ -537,9 +541,10 @@ class FeatureStoreWriter:
         writer = cls(root, plan['model'], plan['pretrained'], dtype=plan['dtype'], shards=plan['shards'],
                      source_bytes=plan.get('source_bytes'), captions_sha256=plan.get('captions_sha256'),
                      image_bytes=plan.get('image_bytes'))
-        if plan.get('shard_names') != SHARD_NAMES and not any('.' in name.lstrip('.') for name in plan['shards']):
+        if plan.get('shard_names') != SHARD_NAMES and not any('.' in name for name in plan['shards']
+                                                               if not name.startswith('.')):
             # an earlier version's plan, whose names may have been cut at a first dot: stored as such (a name with
-            # a dot is today's, which that rule never gave)
+            # a dot is today's, which that rule never gave but to a name starting with one, which it kept whole)
             writer.shard_names = None
         return writer
 
@@ -634,8 +639,11 @@ class FeatureStoreWriter:
             raise
         for tmp in self.root.glob('*.tmp'):  # left by killed writers
             tmp.unlink()
+        # the data the plan records now: another part may have taken a replaced file's size since this one started
+        plan = json.loads((self.root / PLAN).read_text())
+        sources = {key: plan.get(key) or {} for key in SOURCE_KEYS}
         shards = [dict(name=name, count=found[name][0], keys_sha256=self._keys_digest(name),
-                       **{key: of_shard[name] for key, of_shard in self.sources.items() if name in of_shard})
+                       **{key: of_shard[name] for key, of_shard in sources.items() if name in of_shard})
                   for name in names]
         naming = {'shard_names': self.shard_names} if self.shard_names else {}  # none: an earlier version's plan
         manifest = {**self.meta, 'dim': dims[0], **naming, 'shards': shards}

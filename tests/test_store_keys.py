@@ -122,7 +122,8 @@ def test_a_shard_is_added_once_and_a_manifest_listing_one_twice_is_refused(tmp_p
     ('pipe:aws s3 cp s3://bucket/train-01.tar -', 'train-01'), ('https://host/00001.tar?token=x', '00001'),
     ('pipe:aws s3 cp s3://bucket/train-02.tar /dev/stdout', 'train-02'), ('https://h/00002.tar?sig=a/b', '00002'),
     ('pipe:curl -s -L https://host/a.b.tar.gz', 'a.b'), ('file:///data/00003.tar', '00003'),
-    ('https://host/get?f=00004.tar', 'get?f=00004'), ('https://host/api/shard?id=17', 'shard?id=17'),
+    ('https://host/get?f=00004.tar', '00004'), ('https://host/get?token=T&f=00005.tar&sig=ab/cd', '00005'),
+    ('https://host/api/shard?id=17', 'shard?id=17'),
     ('train.tarball.tar', 'train.tarball'), ('shard-7', 'shard-7'), ('notes.txt', 'notes.txt')])
 def test_a_shard_is_named_after_its_file_up_to_the_data_extension(source, name):
     assert shard_name(source) == name
@@ -176,3 +177,23 @@ def test_an_unfinished_store_of_an_earlier_version_is_finished_under_the_rule_it
             store.shard(names[0] + '.v2')
     else:
         assert store.shard(names[0] + '.v2').name == names[0]
+
+
+def test_a_replaced_data_file_s_new_size_reaches_the_store_whichever_part_closes_it(tmp_path):
+    """Part 1 stopped at a broken file 'a' (0 bytes), which was downloaded again (99) while part 2 went on: the part
+    resumed with the new file takes its size into the plan, and the store records it even where part 2, started with
+    the old size, finishes last. A run refused for other settings leaves the plan as it was."""
+    old = FeatureStoreWriter(tmp_path / 'ref', None, None, dtype=None, shards=['a', 'b'],
+                             source_bytes={'a': 0, 'b': 10})
+    old.add_shard('b', ['x'])
+    plan = tmp_path / 'ref.partial' / 'partial.json'
+    written = plan.read_text()
+    with pytest.raises(FeatureStoreError, match='written with model None, pretrained None, keys only'):
+        FeatureStoreWriter(tmp_path / 'ref', 'm', '', dtype='float16', shards=['a', 'b'],
+                           source_bytes={'a': 99, 'b': 10})
+    assert plan.read_text() == written
+    new = FeatureStoreWriter(tmp_path / 'ref', None, None, dtype=None, shards=['a', 'b'],
+                             source_bytes={'a': 99, 'b': 10})
+    new.add_shard('a', ['y'])
+    assert old.close()
+    assert {s.name: s.source_bytes for s in FeatureStore.open(tmp_path / 'ref').shards} == {'a': 99, 'b': 10}
