@@ -161,15 +161,15 @@ def caption_digests(args, frame: pd.DataFrame = None) -> dict:
     return {shard_name(args.train_data): sha256_of(frame[args.csv_caption_key])}
 
 
-def image_sizes(args, images: Sequence[str] = None) -> dict:
+def image_sizes(args, frame: pd.DataFrame = None) -> dict:
     """{store shard name: {row: size}} of a CSV's first, middle and last image files, as OpenCLIP opens them
-    (a relative path from the working directory), {} for WebDataset; `images`, the CSV's image column, where read.
-    A store records them: the same CSV read from another folder names other files by the same relative paths, whose
-    features the store does not hold."""
+    (a relative path from the working directory), {} for WebDataset; `frame`: the CSV, where read. A store records
+    them: the same CSV read from another folder names other files by the same relative paths, whose features the
+    store does not hold."""
     if args.dataset_type != 'csv':
         return {}
-    images = list(read_csv(args)[args.csv_img_key]) if images is None else images
-    return {shard_name(args.train_data): _sampled_image_sizes(images)}
+    frame = read_csv(args) if frame is None else frame
+    return {shard_name(args.train_data): _sampled_image_sizes(list(frame[args.csv_img_key]))}
 
 
 def _sampled_image_sizes(images: Sequence[str]) -> dict:
@@ -311,8 +311,9 @@ def shard_keys(url):
     return [key for key, _, _ in shard_samples(url, decode=False)]
 
 
-def data_keys(args):
-    """{store shard name: keys of its image-text samples} of --train-data."""
+def data_keys(args, frame: pd.DataFrame = None):
+    """{store shard name: keys of its image-text samples} of --train-data; `frame`: a CSV, where read."""
     if args.dataset_type == 'csv':
-        return {shard_name(args.train_data): [str(k) for k in read_csv(args)[args.csv_img_key]]}
+        frame = read_csv(args) if frame is None else frame
+        return {shard_name(args.train_data): [str(k) for k in frame[args.csv_img_key]]}
     return {name: shard_keys(url) for name, url in sources(args)}

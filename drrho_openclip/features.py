@@ -502,10 +502,10 @@ class FeatureStoreWriter:
         self.shards: List[str] = []  # the ones this writer added
         plan = {**self.meta, 'shards': self.plan, **self.sources}
         path = self.root / PLAN
+        self.shard_names = SHARD_NAMES  # the rule of this writer's names (resume() reads an earlier version's)
         if path.is_file():
             found = json.loads(path.read_text())
             # a plan of an earlier version names shards up to their first dot: resumed where its names are today's
-            self.shard_names = SHARD_NAMES
             if found.get('shard_names') != SHARD_NAMES and found.get('shards') != plan['shards']:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store started by an earlier version, "
                                         f"which named shards up to the first dot of their file names: finish it with "
@@ -518,7 +518,6 @@ class FeatureStoreWriter:
             if resized != found:
                 _write_plan(path, resized)
         else:
-            self.shard_names = SHARD_NAMES
             _write_plan(path, {**plan, 'shard_names': SHARD_NAMES})
 
     def _with_new_sizes_of_unfinished_shards(self, found: dict) -> dict:

@@ -391,7 +391,7 @@ def main(argv=None):
         # a CSV is read here, once, before a .partial store is started
         frame = read_csv(args) if args.dataset_type == 'csv' else None
         captions = caption_digests(args, frame)
-        images = image_sizes(args, None if frame is None else list(frame[args.csv_img_key]))
+        images = image_sizes(args, frame)
         names = [name for name, _ in shards]
         sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
         settings = (None, None, None) if args.keys_only else (args.model, args.pretrained or '', args.dtype)
@@ -536,10 +536,12 @@ def verify(argv=None) -> int:
         print(f"PROBLEM: {e}" + (f" ('{partial}' holds an unfinished one: run precompute again with the same "
                                  f"settings, or --finalize once every part has ended)" if partial.is_dir() else ''))
         return 1
-    try:  # by the store's names of the data's shards
-        data = {store.stored_name(name): keys for name, keys in (data_keys(args) if args.train_data else {}).items()}
+    try:  # by the store's names of the data's shards; a CSV read once
+        frame = read_csv(args) if args.train_data and args.dataset_type == 'csv' else None
+        data = {store.stored_name(name): keys
+                for name, keys in (data_keys(args, frame) if args.train_data else {}).items()}
         captions = {store.stored_name(name): digest
-                    for name, digest in (caption_digests(args) if args.train_data else {}).items()}
+                    for name, digest in (caption_digests(args, frame) if args.train_data else {}).items()}
     except OSError as e:  # a shard or CSV of --train-data that cannot be read
         print(f"PROBLEM: --train-data: {e}")
         return 1

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from .features import (DTYPES, MANIFEST, FeatureStore, FeatureStoreError, FeatureStoreWriter, check_rows,
                        first_duplicate, partial_dir, shard_name)
 from .data import (UnreadableShard, add_data_args, caption_digests, data_keys, image_sizes, local_file_sizes,
-                   missing_local_file, resolve_dataset_type, sources, undecodable_keys)
+                   missing_local_file, read_csv, resolve_dataset_type, sources, undecodable_keys)
 
 ARRAYS = ('image_features', 'text_features', 'keys')  # the names of an input's arrays (keys optional)
 NPY_SUFFIXES = tuple(f'.{name}.npy' for name in ARRAYS)
@@ -291,10 +291,12 @@ def main(argv=None) -> int:
     if missing:
         raise SystemExit(f"import: --train-data: no such file '{missing}'")
     try:
-        store = import_store(args.inputs, data_keys(args), args.output, dtype=args.dtype, model=args.model,
+        frame = read_csv(args) if csv else None  # read once for its keys, captions and image sizes
+        store = import_store(args.inputs, data_keys(args, frame), args.output, dtype=args.dtype, model=args.model,
                              normalize=args.normalize, overwrite=args.overwrite,
                              source_bytes=None if csv else local_file_sizes(urls.items()),
-                             captions_sha256=caption_digests(args), image_bytes=image_sizes(args), rows_are_index=csv,
+                             captions_sha256=caption_digests(args, frame), image_bytes=image_sizes(args, frame),
+                             rows_are_index=csv,
                              undecodable=None if csv else lambda shard, keys: undecodable_keys(urls[shard], keys))
     except (FeatureStoreError, UnreadableShard) as e:
         raise SystemExit(f"import: {e}")

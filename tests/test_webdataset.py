@@ -6,6 +6,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,25 +274,18 @@ def as_written_before_shard_names(folder, plan=False):
     path = folder / ('partial.json' if plan else 'manifest.json')
     content = json.loads(path.read_text())
     del content['shard_names']
-    renamed = {}
-    for entry in content['shards']:
-        name = entry if plan else entry['name']
-        renamed[name] = first_dot_name(name)
+    names = content['shards'] if plan else [entry['name'] for entry in content['shards']]
+    renamed = {name: first_dot_name(name) for name in names}
+    for name, old in renamed.items():
         for file in folder.glob(f'{name}.*.npy'):
-            file.rename(folder / (renamed[name] + file.name[len(name):]))
-        if not plan:
-            entry['name'] = renamed[name]
-    if plan:
-        content['shards'] = [renamed[name] for name in content['shards']]
-    for key in ('source_bytes', 'captions_sha256', 'image_bytes'):
-        content[key] = {renamed.get(name, name): value for name, value in content.get(key, {}).items()}
-        if not plan:
-            for entry in content['shards']:
-                entry.pop(key, None)
-            for entry in content['shards']:
-                if entry['name'] in content[key]:
-                    entry[key] = content[key][entry['name']]
-            del content[key]
+            file.rename(folder / (old + file.name[len(name):]))
+    if plan:  # the plan keys what the data was by shard name; a manifest holds it in each shard's entry
+        content['shards'] = [renamed[name] for name in names]
+        for key in ('source_bytes', 'captions_sha256', 'image_bytes'):
+            content[key] = {renamed[name]: value for name, value in content.get(key, {}).items()}
+    else:
+        for entry in content['shards']:
+            entry['name'] = renamed[entry['name']]
     path.write_text(json.dumps(content))
 
 
@@ -314,6 +308,8 @@ def test_a_store_written_before_shard_names_kept_their_dots_is_found_complete_on
     assert precompute.main(command) == 0
     as_written_before_shard_names(store)
     written = (store / 'manifest.json').read_text()
+    assert [s.source_bytes for s in FeatureStore.open(store).shards] == [(Path(dotted_shards).parent / f).stat().st_size
+                                                                        for f in ('a.v2.tar', 'b.v2.tar')]
     with caplog.at_level(logging.INFO):
         assert precompute.main(command) == 0
     assert 'nothing to do' in caplog.text and (store / 'manifest.json').read_text() == written
