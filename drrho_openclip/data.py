@@ -254,6 +254,11 @@ def _raw_samples(url):
             samples += 1
             yield sample
     if not errors:
+        silent_end = _silent_end(local_path(url)) if local_path(url) is not None else None
+        if silent_end is not None:
+            logging.warning(f"'{url}' {silent_end}: read as OpenCLIP's training reads it, its {samples} samples "
+                            f"before that point and none after, without an error; if it should hold more, download "
+                            f"or write it again")
         return
     error = f"{type(errors[0]).__name__}: {errors[0].args[0] if errors[0].args else errors[0]}"
     if local_path(url) is None:
@@ -269,6 +274,32 @@ def _raw_samples(url):
                     f"training reads it, those {samples} samples and none after (it skips the rest with a warning); "
                     f"for the rest, download it again and write the store again from the start (--overwrite, or "
                     f"delete the unfinished store's .partial folder)")
+
+
+def _silent_end(path) -> Optional[str]:
+    """What is wrong with the end of the local uncompressed tar file `path`, or None. tarfile ends a stream at a
+    damaged header, or at the end of a file without tar's end-of-archive blocks, as if at the end (only a first
+    header it cannot read raises), so a download cut on a member's boundary, a flipped byte in a header, or two tar
+    files joined together read as fewer samples, in precompute and in training alike, without a word."""
+    import tarfile
+    try:
+        with tarfile.open(path, 'r:') as archive:  # headers only: it seeks over the members' data
+            for _ in archive:
+                pass
+            end = archive.offset  # the header it stopped at
+    except (tarfile.TarError, OSError):  # compressed: the stream reader has read it; not a tar: it has said so
+        return None
+    size = os.path.getsize(path)
+    with open(path, 'rb') as tail:
+        tail.seek(end)
+        while chunk := tail.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                return (f"is read up to byte {end} of its {size}, and more data follows: a damaged header there, "
+                        f"or another tar file joined after its end (a tar reader stops at the first end)")
+    if size - end < 1024:
+        return ("ends without the two empty blocks that end a tar file: cut short on a member's boundary (an "
+                "interrupted download or copy)?")
+    return None
 
 
 def _decoder():

@@ -396,6 +396,52 @@ def test_a_shard_cut_short_gives_the_samples_training_reads_and_one_that_is_no_t
                          '--workers', '0'])
 
 
+def test_a_shard_whose_reading_ends_early_without_an_error_is_named(tmp_path, caplog):
+    """tarfile ends a stream at a damaged header or a missing end-of-archive as at the end: a download cut on a
+    member's boundary, a flipped header byte and two joined tar files read as fewer samples in precompute and in
+    training alike, which said nothing; now a warning names the file. Whole tar files, gzipped or not, say nothing."""
+    import gzip
+    import tarfile
+    from open_clip_train import data as oc
+    from drrho_openclip.data import shard_keys
+
+    def write(path, prefix):
+        with tarfile.open(path, 'w') as tar:
+            for i in range(4):
+                for extension in ('png', 'txt'):
+                    member = tarfile.TarInfo(f'{prefix}{i}.{extension}')
+                    member.size = 700
+                    tar.addfile(member, io.BytesIO(bytes([i + 1]) * 700))
+        with tarfile.open(path) as tar:
+            return [member.offset for member in tar.getmembers()]
+
+    offsets = write(tmp_path / 'whole.tar', 'a')
+    write(tmp_path / 'other.tar', 'b')
+    whole = (tmp_path / 'whole.tar').read_bytes()
+    flipped = bytearray(whole)
+    flipped[offsets[4] + 3] ^= 0x20  # a header's name: its checksum no longer matches
+    (tmp_path / 'boundary.tar').write_bytes(whole[:offsets[4]])
+    (tmp_path / 'flipped.tar').write_bytes(bytes(flipped))
+    (tmp_path / 'joined.tar').write_bytes(whole + (tmp_path / 'other.tar').read_bytes())
+    (tmp_path / 'whole.tar.gz').write_bytes(gzip.compress(whole))
+    expected = {'whole.tar': (4, None), 'whole.tar.gz': (4, None),
+                'boundary.tar': (2, 'ends without the two empty blocks that end a tar file'),
+                'flipped.tar': (2, f'is read up to byte {offsets[4]} of its {len(whole)}'),
+                'joined.tar': (4, f'is read up to byte {offsets[-1] + 512 + 1024} of its {2 * len(whole)}, and more')}
+    for name, (count, warning) in expected.items():
+        url = str(tmp_path / name)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            keys = list(shard_keys(url))
+        training = webdataset.DataPipeline(webdataset.SimpleShardList([url]), oc.tarfile_to_samples_nothrow,
+                                           webdataset.select(oc.filter_no_caption_or_no_image))
+        assert keys == [sample['__key__'] for sample in training] == [f'a{i}' for i in range(count)], name
+        if warning is None:
+            assert caplog.text == '', name
+        else:
+            assert f"'{url}' {warning}" in caplog.text and f"its {count} samples before that point" in caplog.text
+
+
 def test_a_shard_that_stopped_precompute_can_be_downloaded_again_and_the_run_goes_on(shapes, shards, tmp_path):
     """A failed download (an empty file) stops precompute, named; downloaded again, the rerun goes on with the
     shards already written (the plan had recorded the empty file's size, and refused the new one as other data)."""
