@@ -253,6 +253,34 @@ def test_an_online_reference_reads_the_learners_batches_as_its_own(shapes, tmp_p
         OnlineReference(open_clip.create_model(shapes['model'], force_context_length=8), args, 'cpu')
 
 
+def test_a_reference_is_built_as_its_pretrained_weights_were_trained(monkeypatch, caplog):
+    """OpenAI's weights under a plain name (`ViT-B-32` with `openai`, as the README's precompute command reads) were
+    trained with QuickGELU, which OpenCLIP only warns about while it builds GELU: every reference feature was of
+    another function. A hub or folder model says it has its weights from there (it was reported as random)."""
+    from drrho_openclip.openclip.reference import create_model, needs_quick_gelu
+    assert needs_quick_gelu('ViT-B-32', 'openai') and needs_quick_gelu('RN50', 'openai')
+    assert not needs_quick_gelu('ViT-B-32-quickgelu', 'openai') and not needs_quick_gelu('ViT-B-32', 'laion2b_s34b_b79k')
+    assert not needs_quick_gelu('ViT-B-32', None) and not needs_quick_gelu('local-dir:/x', 'openai')
+    built, real = [], open_clip.create_model_and_transforms
+
+    def recording(name, **kwargs):  # nothing downloads: the model is built without weights
+        built.append((name, kwargs))
+        return real(name, force_quick_gelu=kwargs['force_quick_gelu'])
+    monkeypatch.setattr(open_clip, 'create_model_and_transforms', recording)
+    with caplog.at_level(logging.INFO):
+        model, _ = create_model('RN50', 'openai')
+    assert built[-1][1]['force_quick_gelu'] and built[-1][1]['pretrained'] == 'openai'
+    assert type(model.transformer.resblocks[0].mlp.gelu).__name__ == 'QuickGELU'
+    assert "reference model RN50 is built with QuickGELU, as its 'openai' weights were trained" in caplog.text
+    monkeypatch.setattr(open_clip, 'create_model_and_transforms',
+                        lambda name, **kwargs: built.append((name, kwargs)) or (torch.nn.Linear(1, 1), None, None))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        create_model('hf-hub:org/model')
+    assert not built[-1][1]['force_quick_gelu'] and 'random weights' not in caplog.text
+    assert "reference model hf-hub:org/model, weights as OpenCLIP loads them for it" in caplog.text
+
+
 @pytest.mark.parametrize('precision, dtype', [('amp_bf16', 'bfloat16'), ('fp32', 'float32')])
 def test_an_online_reference_runs_under_the_runs_autocast(shapes, precision, dtype):
     """Under --precision amp_bf16 (or amp) the reference's forward runs in OpenCLIP's autocast, as the learner's

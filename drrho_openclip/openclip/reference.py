@@ -24,6 +24,21 @@ def pretrained_problem(name: str, pretrained: Optional[str]) -> Optional[str]:
     return None
 
 
+SCHEMAS = ('hf-hub:', 'local-dir:')  # models whose config and weights OpenCLIP reads from a hub or folder itself
+
+
+def needs_quick_gelu(name: str, pretrained: Optional[str]) -> bool:
+    """Whether the pretrained tag's weights were trained with QuickGELU where the config `name` builds GELU (OpenAI's
+    weights under the plain names: `ViT-B-32` with `openai`): OpenCLIP builds the model as configured and only
+    warns, so its features would be those of another function than the one the weights were trained as."""
+    from open_clip.factory import get_model_config
+    from open_clip.pretrained import get_pretrained_cfg
+    if not pretrained or name.startswith(SCHEMAS) or Path(pretrained).is_file():
+        return False
+    tag = get_pretrained_cfg(name, pretrained) or {}
+    return bool(tag.get('quick_gelu')) and not (get_model_config(name) or {}).get('quick_gelu', False)
+
+
 def create_model(name: str, pretrained: str = None, device='cpu', precision='fp32', cache_dir=None):
     """An OpenCLIP model in eval mode and its evaluation transform, from a pretrained tag or a local checkpoint file
     (OpenCLIP's own factory ignores `pretrained` for `local-dir:` models, so files are loaded here). It says where
@@ -33,9 +48,13 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
     if problem:
         raise ValueError(f"reference model {name}: {problem}")
     is_file = bool(pretrained) and Path(pretrained).is_file()
+    quick_gelu = needs_quick_gelu(name, pretrained)
+    if quick_gelu:
+        logging.info(f"drrho-openclip: reference model {name} is built with QuickGELU, as its '{pretrained}' weights "
+                     f"were trained (OpenCLIP's {name}-quickgelu)")
     model, _, preprocess = open_clip.create_model_and_transforms(
         name, pretrained=None if is_file or not pretrained else pretrained, device=device, precision=precision,
-        cache_dir=cache_dir)
+        cache_dir=cache_dir, force_quick_gelu=quick_gelu)
     if is_file:
         try:  # not strict: a checkpoint trained with TempNet also holds its networks, which the model has not
             keys = open_clip.load_checkpoint(model, pretrained, device=device, strict=False)
@@ -57,6 +76,8 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
                          f"trained (TempNet's); the reference model leaves them out")
     if pretrained:
         logging.info(f"drrho-openclip: reference model {name}, weights from '{pretrained}'")
+    elif name.startswith(SCHEMAS):
+        logging.info(f"drrho-openclip: reference model {name}, weights as OpenCLIP loads them for it")
     else:
         logging.warning(f"drrho-openclip: reference model {name} has random weights (no pretrained tag or "
                         f"checkpoint file given)")
