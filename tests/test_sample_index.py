@@ -231,18 +231,27 @@ def test_sample_index_is_refused_for_csv_input(shapes, index, capsys):
 
 @pytest.mark.parametrize('seed', [0, 123_456_789])
 def test_a_map_style_sample_draws_the_same_augmentation_whatever_the_seed(seed):
-    """A CSV sample's augmentation is seeded by (--seed, epoch, index): reproducible, for any --seed."""
+    """A CSV sample's augmentation is seeded by (--seed, epoch, index): reproducible, for any --seed, whichever
+    generator it draws from (timm's, with --aug-cfg use_timm=True, draw from Python's and numpy's), and the caller's
+    own draws go on unchanged."""
+    import random
+
+    import numpy as np
     from drrho_openclip.openclip.loaders import WithSampleExtras
 
-    class Draws:  # a dataset whose "augmentation" is a draw from torch's CPU generator
+    class Draws:  # a dataset whose "augmentation" is a draw from each generator
         def __len__(self):
             return 4
 
         def __getitem__(self, index):
-            return torch.rand(3), index
+            return (torch.rand(3), random.random(), np.random.rand()), index
 
     sampler = type('Sampler', (), {'epoch': 2})()
     dataset = WithSampleExtras(Draws(), sampler, seed)
+    states = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     first, again = dataset[3], dataset[3]
-    assert torch.equal(first[0], again[0]) and first[2] == {'index': 3}
-    assert not torch.equal(first[0], dataset[2][0])
+    assert random.getstate() == states[0] and np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])
+    assert torch.equal(first[0][0], again[0][0]) and first[0][1:] == again[0][1:] and first[2] == {'index': 3}
+    other = dataset[2][0]
+    assert not torch.equal(first[0][0], other[0]) and first[0][1] != other[1] and first[0][2] != other[2]

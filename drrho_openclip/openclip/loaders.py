@@ -8,7 +8,9 @@ the index travels with each sample; the reference features are looked up once pe
 (`CollateWithReferenceFeatures`): one read of each shard the batch touches, one decode and one finiteness check,
 instead of all three per sample."""
 import logging
+import random
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
@@ -107,12 +109,20 @@ class WithSampleExtras(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
+        # the product passes torch's seed range from --seed 8590 on
+        seed = ((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index) % SEED_RANGE
+        python_state, numpy_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
-            # the CPU generator only: torch.manual_seed would also queue the seeding of every accelerator, per sample;
-            # the product passes torch's seed range from --seed 8590 on
-            seed = ((self.seed * 1_000_003 + self.sampler.epoch) * 2_147_483_647 + index) % SEED_RANGE
+            # the CPU generator only: torch.manual_seed would also queue the seeding of every accelerator, per sample
             torch.default_generator.manual_seed(seed)
-            image, text = self.dataset[index]
+            # and Python's and numpy's, which timm's augmentations (--aug-cfg use_timm=True) draw from
+            random.seed(seed)
+            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+            try:
+                image, text = self.dataset[index]
+            finally:  # the caller's own draws go on as if this had not run, as fork_rng leaves torch's
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
         return image, text, BatchExtras(index=index)  # a plain int: collation makes the batch's int64 tensor
 
 
