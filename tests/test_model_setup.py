@@ -56,6 +56,14 @@ def test_what_openclip_refuses_with_status_0_stops_at_parsing(shapes, tmp_path, 
         parse(*base)
     assert stopped.value.code == 2
     assert f"--name run: '{tmp_path / 'run' / 'out.log'}' exists, a run of that name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # logging per node: OpenCLIP looked for out-<rank> only, and went on
+        parse(*base, '--log-local')
+    assert f"--name run: '{tmp_path / 'run' / 'out.log'}' exists, a run of that name" in capsys.readouterr().err
+    (tmp_path / 'run' / 'out.log').rename(tmp_path / 'run' / 'out-1')  # a run that logged per node
+    for local in ((), ('--log-local',)):
+        with pytest.raises(SystemExit):
+            parse(*base, *local)
+        assert f"--name run: '{tmp_path / 'run' / 'out-1'}' exists, a run of that name" in capsys.readouterr().err
     parse(*base, '--resume', 'latest')  # continuing it is what the name is for
     for extra, said in ((('--save-most-recent',), 'cannot take --save-most-recent'),
                         (('--remote-sync-protocol', 'fsspec'), 'lists the remote')):

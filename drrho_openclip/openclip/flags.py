@@ -1,6 +1,7 @@
 """The plugin's flags: one argument group in OpenCLIP's parser (every loss option from the registry, with the losses
 that read it and their defaults), and their checks against the chosen loss, which start the run."""
 import argparse
+import glob
 import os
 import re
 import shutil
@@ -256,10 +257,15 @@ def _check_what_openclip_refuses_with_status_0(args, parser):
             parser.error(f"--resume latest with --remote-sync lists the remote's checkpoints with aws s3, which "
                          f"--remote-sync-protocol {args.remote_sync_protocol} is not: give --resume a checkpoint "
                          f"{said}")
-    log = os.path.join(args.logs, args.name, 'out.log') if args.logs and args.name and not args.log_local else None
-    if log and args.resume != 'latest' and os.path.exists(log):
-        parser.error(f"--name {args.name}: '{log}' exists, a run of that name: give another --name, or --resume "
-                     f"latest to continue it {said}")
+    if args.logs and args.name and args.resume != 'latest':
+        # out.log, or out-<rank> per node with --log-local: either way a run of that name, whose checkpoints this one
+        # would write over (OpenCLIP looks for its own mode's file only)
+        folder = os.path.join(args.logs, args.name)
+        logs = sorted(glob.glob(os.path.join(glob.escape(folder), 'out.log'))
+                      + glob.glob(os.path.join(glob.escape(folder), 'out-[0-9]*')))
+        if logs:
+            parser.error(f"--name {args.name}: '{logs[0]}' exists, a run of that name: give another --name, or "
+                         f"--resume latest to continue it {said}")
 
 
 def _check_openclip_modes(args, parser):
