@@ -147,6 +147,12 @@ def test_a_plain_clip_checkpoint_is_named_and_the_advice_to_start_from_it_works(
     assert (f"--resume '{first}' holds no loss state (a run of OpenCLIP's own --loss clip, or of a loss without "
             f"per-sample state), which this run's --loss sogclr keeps") in result.stderr, result.stderr[-2000:]
     assert "put the checkpoint in the copy as open_clip_pytorch_model.bin" in result.stderr
+    # the model's weights alone, which OpenCLIP's --resume loads to start a new run: no loss state is read or needed
+    weights = tmp_path / 'weights.pt'
+    torch.save(torch.load(first, map_location='cpu', weights_only=False)['state_dict'], weights)
+    result = run_openclip(train_args(shapes, tmp_path, 'from_weights', '--loss', 'sogclr', '--resume', weights))
+    assert "holds a model's weights only (no epoch): OpenCLIP starts a new run from them" in result.stderr
+    assert checkpoint(tmp_path, 'from_weights', 1)['epoch'] == 1
     copy = tmp_path / 'tiny_from_clip'
     shutil.copytree(shapes['model'].removeprefix('local-dir:'), copy)
     shutil.copy(first, copy / 'open_clip_pytorch_model.bin')

@@ -64,17 +64,23 @@ def check_resumed_loss(loss, run: Run, args):
         return
     loss_name = run.loss_name
     checkpoint = _checkpoint_of(args.resume)  # read once (memory-mapped) for every check below
-    weights = {k.removeprefix('module.'): v for k, v in checkpoint.get('state_dict', {}).items()}
+    # without an epoch, a model's weights alone: OpenCLIP loads them and starts a new run, reading no loss state
+    bare = 'epoch' not in checkpoint
+    model = checkpoint if bare else checkpoint.get('state_dict', {})
+    weights = {k.removeprefix('module.'): v for k, v in model.items()}
     if loss is not None:
         _check_attached_sizes(loss, weights, args)
-    if not trains(args):  # evaluating: no loss state is read, but the model's weights are, strictly
+    if bare or not trains(args):  # no loss state is read, but the model's weights are, strictly
         saved = {k.split('.')[0] for k in weights if k.startswith(ATTACHED_PREFIX)}
         own = set(attached_names(loss)) if loss is not None else set()
         if saved != own:
             raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds the model of a loss that attached "
                              f"{', '.join(sorted(saved)) or 'no modules'} to it (TempNet's: --loss tempnet), this "
-                             f"run's --loss {loss_name} attaches {', '.join(sorted(own)) or 'none'}: evaluate with the "
-                             f"--loss flags it was trained with")
+                             f"run's --loss {loss_name} attaches {', '.join(sorted(own)) or 'none'}: "
+                             f"{'train' if trains(args) else 'evaluate'} with the --loss flags it was trained with")
+        if bare and trains(args):
+            logging.info(f"drrho-openclip: --resume '{args.resume}' holds a model's weights only (no epoch): "
+                         f"OpenCLIP starts a new run from them, and the loss's state starts anew")
         return
     if checkpoint.get('epoch', 0) >= args.epochs:  # OpenCLIP then ends without a word
         logging.warning(f"drrho-openclip: --resume '{args.resume}' is at epoch {checkpoint['epoch']} of --epochs "
