@@ -28,7 +28,7 @@ cmd=(torchrun --standalone --nproc_per_node="$NPROC"
      -m open_clip_train.main --   # `--`: torchrun would read --logs as one of its own options (torch >= 2.14)
      --logs "$LOGS" --name "$NAME" --model "$MODEL" --train-data "$TRAIN_DATA" --loss "$LOSS"
      # resume from the newest checkpoint, epoch_latest.pt (the plugin writes every checkpoint file atomically)
-     --resume latest --save-most-recent)
+     --resume latest)
 [[ -n "$TRAIN_NUM_SAMPLES" ]] && cmd+=(--train-num-samples "$TRAIN_NUM_SAMPLES")
 [[ -n "$REF_FEATURES" ]] && cmd+=(--ref-features "$REF_FEATURES")
 # OpenCLIP's memory-saving options, for the losses that read them: the DRO losses always take the local samples as
@@ -38,9 +38,14 @@ case "$LOSS" in clip|jest|jest-topk) cmd+=(--local-loss --gather-with-grad) ;; e
 # TRAIN_ARGS: split on spaces and newlines, quotes not read (an argument with a space goes on the command line);
 # set empty for none. -d '': every line, not the first; read then ends at the input's end, with status 1
 read -ra extra -d '' <<< "$TRAIN_ARGS" || true
+# --save-most-recent, unless --remote-sync is given: OpenCLIP's remote --resume latest cannot take it
+save_most_recent=(--save-most-recent)
+for arg in ${extra[@]+"${extra[@]}"} "$@"; do
+    if [[ "$arg" == --remote-sync || "$arg" == --remote-sync=* ]]; then save_most_recent=(); fi
+done
 # later flags win: arguments of this script override the settings (`${x[@]+...}`: under set -u, bash < 4.4 takes an
 # empty array for an unbound variable)
-cmd+=(${extra[@]+"${extra[@]}"} "$@")
+cmd+=(${save_most_recent[@]+"${save_most_recent[@]}"} ${extra[@]+"${extra[@]}"} "$@")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo

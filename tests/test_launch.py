@@ -1,6 +1,7 @@
 """launch/: the SLURM and torchrun scripts print the right command in DRY_RUN mode, and the torchrun precompute
 runs for real (two CPU ranks)."""
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -15,12 +16,16 @@ from drrho_openclip.losses.registry import get_loss_spec, list_losses
 from test_precompute_scale import SIZES, write_checkpoint, write_shards
 
 LAUNCH = Path(__file__).resolve().parents[1] / 'launch'
-SLURM_VARIABLES = [name for name in os.environ if name.startswith('SLURM_')]
+# what the scripts read from the environment: their settings (NAME=${NAME:-...}) and SLURM's
+SETTINGS = {m.group(1) for script in LAUNCH.iterdir() if script.suffix in ('.sh', '.sbatch')
+            for m in re.finditer(r'^([A-Z_]+)=\$\{', script.read_text(), re.MULTILINE)}
 
 
 def run_script(name, *args, dry_run=True, path_prefix=None, **env):
-    """Run a launch script with bash; returns the CompletedProcess. No SLURM variable leaks in from outside."""
-    env = {**{k: v for k, v in ENV.items() if k not in SLURM_VARIABLES}, **{k: str(v) for k, v in env.items()}}
+    """Run a launch script with bash; returns the CompletedProcess. Neither a SLURM variable nor a setting of the
+    scripts (MASTER_PORT, MODEL, ... exported on a cluster) leaks in from outside."""
+    outside = {k: v for k, v in ENV.items() if not k.startswith('SLURM_') and k not in SETTINGS | {'DRY_RUN'}}
+    env = {**outside, **{k: str(v) for k, v in env.items()}}
     if dry_run:
         env['DRY_RUN'] = '1'
     if path_prefix:
@@ -144,6 +149,21 @@ def test_torchrun_train_is_standalone():
     assert '--save-most-recent' in args
     assert option(args, '--name') == 'run7' and '--logs' in args and '--ref-features' not in args
     assert '--sample-index' not in args  # only when SAMPLE_INDEX is set
+
+
+@pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
+@pytest.mark.parametrize('where', ['arguments', 'TRAIN_ARGS'])
+def test_remote_sync_drops_save_most_recent_which_openclips_remote_resume_cannot_take(script, where, fake_scontrol):
+    """--save-most-recent, a store_true flag, could not be taken back by an argument, so --remote-sync stopped every
+    rank at start-up."""
+    remote = ['--remote-sync', 's3://bucket/runs']
+    settings = dict(SLURM_JOB_NODELIST='gpu[07-08]', SLURM_NNODES='2', SLURM_JOB_ID='7')
+    arguments, extra = (remote, {}) if where == 'arguments' else ([], {'TRAIN_ARGS': ' '.join(remote)})
+    args = training_args(printed_command(script, *arguments, path_prefix=fake_scontrol, **settings, **extra))
+    assert option(args, '--remote-sync') == 's3://bucket/runs' and '--save-most-recent' not in args
+    args = training_args(printed_command(script, '--remote-sync-protocol', 's3', path_prefix=fake_scontrol,
+                                        **settings))
+    assert '--save-most-recent' in args and option(args, '--resume') == 'latest'
 
 
 @pytest.mark.parametrize('script', ['torchrun_train.sh', 'slurm_train.sbatch'])
