@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from stat import S_ISREG
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl, urlparse
 
 import numpy as np
@@ -207,6 +207,31 @@ def check_rows(shard: str, keys: Sequence[str], image_features: np.ndarray, text
 def _tmp_path(path: Path) -> Path:
     # a name of its own per process: two processes writing the same file (a part run twice) never share one
     return path.with_name(f'{path.name}.{socket.gethostname()}-{os.getpid()}.tmp')
+
+
+def lock_holder(root: Path) -> Optional[Tuple[str, int]]:
+    """(host, process id) of the process that took the finishing lock of the unfinished store folder `root`, or None:
+    no lock, or one that records neither (taken by an earlier version, or a moment ago)."""
+    try:
+        host, pid = (root / LOCK).read_text().split()
+        return host, int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+def holder_has_ended(holder: Tuple[str, int]) -> bool:
+    """Whether the lock's holder is known to have ended: a process of this host that no longer runs (another host's
+    cannot be checked from here)."""
+    host, pid = holder
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)  # no signal: only whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that id: it runs
+        return False
+    return False
 
 
 def _atomic_save(path: Path, array: np.ndarray):
@@ -620,9 +645,11 @@ class FeatureStoreWriter:
         # the lock comes before the shard check: a part that saw every shard finished may reach here after another
         # part has moved the store away, and must then step aside rather than report the shards as missing
         try:
-            os.close(os.open(self.root / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            lock = os.open(self.root / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except (FileExistsError, FileNotFoundError):
             return False
+        with os.fdopen(lock, 'w') as holder:  # who holds it, for the one that finds it left by a killed process
+            holder.write(f'{socket.gethostname()} {os.getpid()}\n')
         try:
             found = {name: self._finished(name) for name in names}
             missing = [name for name, info in found.items() if info is None]

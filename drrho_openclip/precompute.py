@@ -40,8 +40,8 @@ from .data import (UnreadableShard, add_data_args, caption_digests, caption_mism
                    local_file_sizes, local_path, missing_local_file, moved_folders, read_csv, resolve_dataset_type,
                    shard_keys, shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
-                       FeatureStoreWriter, check_rows, finished_store_differences, partial_dir, shard_files,
-                       shard_name)
+                       FeatureStoreWriter, check_rows, finished_store_differences, holder_has_ended, lock_holder,
+                       partial_dir, shard_files, shard_name)
 from .openclip.reference import create_model, pretrained_problem
 
 # How long a part that finds the store being finished by another waits to see it done (the move takes a moment;
@@ -340,6 +340,11 @@ def _add_shard(writer, url, name, keys, *features, rows_are_index=False):
 
 
 def _finalize(writer, explicit: bool) -> int:
+    holder = lock_holder(writer.root)
+    if explicit and holder is not None and holder_has_ended(holder):
+        logging.warning(f"'{writer.root / LOCK}' was left by process {holder[1]} of this host, which has ended while "
+                        f"finishing the store: finishing it in its place")
+        (writer.root / LOCK).unlink()
     try:
         done = writer.close()
     except FeatureStoreError as e:
@@ -357,8 +362,10 @@ def _finalize(writer, explicit: bool) -> int:
     if not writer.root.exists():
         logging.info(f"another process finished the store in {writer.final}")
         return 0
-    message = (f"'{writer.root / LOCK}' exists: another process is finishing the store (or died doing so: if none "
-               f"is running, delete that file and run --finalize)")
+    holder = lock_holder(writer.root)
+    by = f", taken by process {holder[1]} on {holder[0]}" if holder is not None else ''
+    message = (f"'{writer.root / LOCK}' exists{by}: another process is finishing the store (or died doing so: if it "
+               f"no longer runs, delete that file and run --finalize; on that host --finalize finds it ended itself)")
     if explicit:
         raise SystemExit(message)
     # no store at --output: a job chain must not count this part as the end of a finished precompute

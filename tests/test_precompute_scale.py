@@ -1,8 +1,10 @@
 """Precompute at scale: parts, resume, storage dtypes, finishing the store, and `verify`."""
 import filecmp
+import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -338,8 +340,9 @@ def test_an_output_that_cannot_be_written_is_named(data, tmp_path):
         precompute.main(['--keys-only', '--train-data', data['urls'], '--output', output])
 
 
-def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tmp_path, monkeypatch):
-    """The manifest written, the store not yet moved into place: what --finalize's message advises works."""
+def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tmp_path, monkeypatch, caplog):
+    """The manifest written, the store not yet moved into place, the lock left: --finalize names the lock's holder,
+    and takes the lock over where that is a process of this host that has ended (it told the user to delete it)."""
     out = tmp_path / 'ref'
     writer = FeatureStoreWriter(out, 'm', '', dtype='float16', shards=['a'])
     writer.add_shard('a', ['x'], np.eye(4)[:1], np.eye(4)[:1])
@@ -354,10 +357,18 @@ def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tm
         writer.close()
     monkeypatch.setattr(os, 'replace', real)
     assert not out.exists() and (tmp_path / 'ref.partial' / 'manifest.json').exists()
-    with pytest.raises(SystemExit, match='delete that file and run --finalize'):
+    lock = tmp_path / 'ref.partial' / LOCK
+    with pytest.raises(SystemExit, match=f"taken by process {os.getpid()} on {socket.gethostname()}: another "
+                                         f"process is finishing the store .*delete that file and run --finalize"):
+        precompute.main(['--finalize', '--output', out])  # its holder, this process, still runs
+    lock.write_text('node-elsewhere 12\n')  # another host's process: not known to have ended
+    with pytest.raises(SystemExit, match="taken by process 12 on node-elsewhere"):
         precompute.main(['--finalize', '--output', out])
-    (tmp_path / 'ref.partial' / LOCK).unlink()
-    assert precompute.main(['--finalize', '--output', out]) == 0
+    ended = subprocess.run(['sh', '-c', 'echo $$'], capture_output=True, text=True, check=True).stdout.split()[0]
+    lock.write_text(f'{socket.gethostname()} {ended}\n')  # a process of this host that has ended: left behind
+    with caplog.at_level(logging.WARNING):
+        assert precompute.main(['--finalize', '--output', out]) == 0
+    assert f"was left by process {ended} of this host, which has ended while finishing the store" in caplog.text
     assert [s.name for s in FeatureStore.open(out).shards] == ['a'] and not (tmp_path / 'ref.partial').exists()
     assert sorted(os.listdir(out)) == ['a.features.npy', 'a.keys.npy', 'manifest.json']
 
