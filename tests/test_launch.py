@@ -212,16 +212,26 @@ def test_train_scripts_pass_openclips_loss_options_only_to_the_losses_that_read_
         assert ('--local-loss' in args and '--gather-with-grad' in args) == reads, name
 
 
+ARRAY_TASK = dict(SLURM_ARRAY_TASK_ID='5', SLURM_ARRAY_TASK_MIN='1', SLURM_ARRAY_TASK_COUNT='8')
+
+
 @pytest.mark.parametrize('env, part, parts', [
-    (dict(SLURM_ARRAY_TASK_ID='3', SLURM_ARRAY_TASK_MIN='0', SLURM_ARRAY_TASK_COUNT='8'), '3', '8'),
-    (dict(SLURM_ARRAY_TASK_ID='5', SLURM_ARRAY_TASK_MIN='1', SLURM_ARRAY_TASK_COUNT='8'), '4', '8'),
-    ({}, '0', '1'),  # outside an array: everything in one part
+    (dict(SLURM_ARRAY_TASK_ID='3', SLURM_ARRAY_TASK_MIN='0', SLURM_ARRAY_TASK_COUNT='8'), 3, 8),
+    (ARRAY_TASK, 4, 8),
+    # the tasks of an `srun -n 2` inside it split its part (the script gave both the array task's part)
+    ({**ARRAY_TASK, 'SLURM_STEP_NUM_TASKS': '2', 'SLURM_PROCID': '1'}, 9, 16),
+    ({}, 0, 1),  # outside an array: everything in one part
 ])
-def test_slurm_precompute_array_task_computes_its_part(env, part, parts):
+def test_slurm_precompute_array_task_computes_its_part(env, part, parts, monkeypatch):
     cmd = printed_command('slurm_precompute.sbatch', '--dtype', 'int8', OUTPUT='/feat', DTYPE='float16', **env)
     assert cmd[0] == 'drrho-openclip-features' and option(cmd, '--output') == '/feat'
-    assert option(cmd, '--part') == part and option(cmd, '--num-parts') == parts
     assert option(cmd, '--dtype') == 'int8'  # the script's arguments win
+    for name in [name for name in os.environ if name.startswith('SLURM_') or name in ('WORLD_SIZE', 'RANK')]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = precompute.parse_args(cmd[1:])  # as the command reads its environment in the job
+    assert (args.part, args.num_parts) == (part, parts)
 
 
 def test_torchrun_precompute_computes_one_part_per_rank(shapes, tmp_path):
