@@ -294,7 +294,10 @@ class FeatureStore:
         root = Path(root)
         path = root / MANIFEST
         if not root.is_dir():
-            raise FeatureStoreError(f"reference-feature directory '{root}' does not exist")
+            partial = partial_dir(root)
+            raise FeatureStoreError(f"reference-feature directory '{root}' does not exist" + (
+                f" ('{partial}' holds an unfinished one: run precompute again with the same settings, or --finalize "
+                f"once every part has ended)" if partial.is_dir() else ''))
         if not path.is_file():
             raise FeatureStoreError(f"'{root}' is not a finished reference-feature store: '{path}' is missing "
                                     f"(write one with `drrho-openclip-features`)")

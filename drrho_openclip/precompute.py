@@ -539,9 +539,7 @@ def verify(argv=None) -> int:
     try:
         store = FeatureStore.open(args.store, check_sizes=False)  # a file cut short: a problem of its shard, below
     except FeatureStoreError as e:
-        partial = partial_dir(args.store)
-        print(f"PROBLEM: {e}" + (f" ('{partial}' holds an unfinished one: run precompute again with the same "
-                                 f"settings, or --finalize once every part has ended)" if partial.is_dir() else ''))
+        print(f"PROBLEM: {e}")
         return 1
     try:  # by the store's names of the data's shards; a CSV read once
         frame = read_csv(args) if args.train_data and args.dataset_type == 'csv' else None

@@ -270,3 +270,6 @@ def test_keys_only_store_is_refused_by_name(tmp_path, capsys):
     assert f"'{tmp_path / 'keys'}' is a keys-only store" in capsys.readouterr().out
     assert main([str(tmp_path / 'missing'), '--batch-size', '4']) == 1
     assert 'does not exist' in capsys.readouterr().out
+    (tmp_path / 'missing.partial').mkdir()  # a store being written: every reader says so (verify alone did)
+    assert main([str(tmp_path / 'missing'), '--batch-size', '4']) == 1
+    assert f"('{tmp_path / 'missing.partial'}' holds an unfinished one: run precompute again" in capsys.readouterr().out
