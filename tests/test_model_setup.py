@@ -121,6 +121,19 @@ def test_a_run_too_short_for_the_gamma_schedule_says_where_it_ends(shapes, epoch
     assert (logged in caplog.text) if logged else 'γ falls from 1' not in caplog.text
 
 
+@pytest.mark.parametrize('loss, batch, said', [('fastclip', 8, True), ('fastclip', 10, False), ('isogclr', 4, True),
+                                              ('sogclr', 8, False)])  # a fixed τ: no ρ
+def test_a_batch_too_small_for_the_auto_rho_says_so(shapes, loss, batch, said, caplog):
+    """ρ = log((B − 1)/k) is clamped at 0 where the batch has no more than k negatives: τ then rises, against the
+    README's k effective negatives "at any batch", which a run at such a batch should hear at start-up."""
+    args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss',
+                 loss, '--batch-size', batch)
+    with caplog.at_level(logging.INFO):
+        plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+    assert (f"--rho auto is 0 at this run's global batch {batch}: its {batch - 1} negatives per anchor are no more "
+            f"than --target-negatives 8" in caplog.text) == said
+
+
 @pytest.mark.parametrize('accum_freq, tiled', [(1, False), (4, True)])
 def test_the_global_batch_of_an_accumulating_run_is_its_whole_window(shapes, accum_freq, tiled):
     """With --accum-freq the loop calls the loss on the whole window: 4 batches of 4096 on one process are 16384

@@ -2,11 +2,13 @@
 the model; and the model's logit_scale set to the loss's temperature."""
 import logging
 import math
+from types import SimpleNamespace
 
 import torch
 
 from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveLoss, LogitScaleTemperature,
-                      attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec)
+                      attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec,
+                      inactive_options)
 from .checkpoints import check_resumed_loss
 from .flags import trains
 from .reference import OnlineReference
@@ -96,6 +98,13 @@ def configure_model(run: Run, model, args):
         logging.info(f"drrho-openclip: γ falls from 1 to --gamma {state.gamma_min:g} over --gamma-decay-epochs "
                      f"{state.gamma_decay_epochs}; this run's last epoch has γ = "
                      f"{gamma_at_epoch(last_epoch, state.gamma_min, state.gamma_decay_epochs):.3g} ({reach})")
+    global_batch = run.provenance['global_batch']
+    if options.get('rho') == AUTO and 'rho' not in inactive_options(run.loss_name, SimpleNamespace(**options)) \
+            and global_batch - 1 <= options['target_negatives']:
+        # log((B − 1)/k) clamped at 0: the README's k effective negatives per anchor cannot be had from B − 1
+        logging.info(f"drrho-openclip: --rho auto is 0 at this run's global batch {global_batch}: its "
+                     f"{global_batch - 1} negatives per anchor are no more than --target-negatives "
+                     f"{options['target_negatives']:g}, so τ rises until every negative weighs alike")
     if args.ref_model is not None:
         loss.reference_encoder = OnlineReference(model, args, device)
     temperature = options.get('temperature')
