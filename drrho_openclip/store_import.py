@@ -19,7 +19,9 @@ Keys are the samples' WebDataset `__key__`s, or for a CSV its image paths (--csv
 rows are taken to be the shard's image-text samples in file order (a CSV's rows; for a CSV that repeats an image's
 path, one row per caption as COCO's, rows without keys are the only unambiguous form). A sample whose image cannot be
 decoded may lack features: precompute and OpenCLIP's training leave it out too. The store holds each shard's rows in
-the data's order, so it gives every sample the same dense index as a precomputed store.
+the data's order, so it gives every sample the same dense index as a precomputed store (except after a sample whose
+image cannot be decoded and that the input has a row for: the store keeps that row, which training never reads, where
+precompute leaves the sample out).
 
 Nothing is written unless every check passes, each error naming the input file, shard and sample key: an input for
 every shard of --train-data and none for other shards; image and text features of one [n, d] shape, d the same in
