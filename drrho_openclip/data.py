@@ -188,7 +188,7 @@ def image_mismatch(shard, args, images: Sequence[str]) -> Optional[str]:
     now = _sampled_image_sizes(images)
     for row, size in (shard.image_bytes or {}).items():
         if now.get(row) != size:
-            return (f"row {row} of '{args.train_data}' names '{images[int(row)]}', of "
+            return (f"row {row} (from 0, the header not counted) of '{args.train_data}' names '{images[int(row)]}', of "
                     f"{now.get(row, 'no')} bytes, where the store's features are of a file of {size} bytes: another "
                     f"image by the same path (a relative path is read from the working directory, here "
                     f"'{os.getcwd()}'): run from the folder the store was written in, or write it again")

@@ -169,8 +169,8 @@ class _CsvImages(torch.utils.data.Dataset):
         try:  # OpenCLIP's CsvDataset stops at such an image too: name it
             image = self.transform(Image.open(str(self.paths[i])))
         except (OSError, ValueError) as e:
-            raise UnreadableImage(f"CSV row {i}: image '{self.paths[i]}' cannot be read ({type(e).__name__}: "
-                                  f"{e})") from e
+            raise UnreadableImage(f"CSV row {i} (from 0, the header not counted): image '{self.paths[i]}' cannot "
+                                  f"be read ({type(e).__name__}: {e})") from e
         return image, self.tokenizer([str(self.captions[i])])[0]
 
 

@@ -536,7 +536,8 @@ def test_a_relative_csv_read_from_another_folder_is_not_given_the_stores_feature
     args[args.index('--train-data') + 1] = 'rel.csv'
     result = run_openclip(args, check=False, cwd=tmp_path / 'other')
     assert result.returncode == 2 and (
-        "--ref-features was not written for --train-data: row 0 of 'rel.csv' names 'img/") in result.stderr, \
+        "--ref-features was not written for --train-data: row 0 (from 0, the header not counted) of 'rel.csv' "
+        "names 'img/") in result.stderr, \
         result.stderr[-2000:]
     assert f"(a relative path is read from the working directory, here '{tmp_path / 'other'}')" in result.stderr
     shutil.copytree(tmp_path / 'written', tmp_path / 'moved')  # the same files elsewhere: trains
@@ -609,7 +610,8 @@ def test_precompute_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):
         with pytest.raises(SystemExit) as stop:
             precompute.main(['--model', shapes['model'], '--train-data', bad, '--output', tmp_path / 'b',
                              '--workers', workers])
-        assert str(stop.value).startswith(f"CSV row 3: image '{broken}' cannot be read (UnidentifiedImageError: ")
+        assert str(stop.value).startswith(f"CSV row 3 (from 0, the header not counted): image '{broken}' cannot "
+                                          f"be read (UnidentifiedImageError: ")
         assert '\n' not in str(stop.value)
 
 

@@ -417,8 +417,8 @@ def check_csv_keys(store, csv_path, images) -> Optional[str]:
         return (f"drrho-openclip: the images of '{csv_path}' are below '{moved[1]}', where '{store.root}' was written "
                 f"for them below '{moved[0]}': the same files in the same order, read as a moved dataset")
     row = next(row for row, (key, image) in enumerate(zip(keys, images)) if key != image)
-    raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} is '{keys[row]}' there and "
-                            f"'{images[row]}' in '{csv_path}'")
+    raise FeatureStoreError(f"'{store.root}' was computed for another CSV: row {row} (from 0, the header not "
+                            f"counted) is '{keys[row]}' there and '{images[row]}' in '{csv_path}'")
 
 
 def trains(args) -> bool:
