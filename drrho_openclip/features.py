@@ -137,6 +137,23 @@ def encode_keys(keys: Sequence[str]) -> np.ndarray:
     return np.array([k.encode() for k in keys], dtype=bytes)
 
 
+class KeyRun:
+    """The rows of a shard whose keys are f'{first + i:0{width}d}' for i < count, found by arithmetic: a dict of its
+    keys would hold each as a Python string."""
+
+    def __init__(self, first: int, count: int, width: int):
+        self.first, self.count, self.width = first, count, width
+
+    def __len__(self):
+        return self.count
+
+    def get(self, key: str) -> Optional[int]:
+        if len(key) != self.width or not (key.isascii() and key.isdecimal()):
+            return None
+        row = int(key) - self.first
+        return row if 0 <= row < self.count else None
+
+
 def decode_keys(stored: np.ndarray) -> np.ndarray:
     """The keys, as a [n] array of str, of what `encode_keys` wrote."""
     if stored.dtype == KEY_RUN:
@@ -355,7 +372,7 @@ class FeatureStore:
                 array = decode_with(array)
         except Exception as e:  # numpy raises several types for truncated or foreign files
             raise FeatureStoreError(f"shard '{name}': '{path}' is corrupt ({e})") from e
-        if array.shape != shape:
+        if shape is not None and array.shape != shape:
             raise FeatureStoreError(f"shard '{name}': '{path}' has shape {tuple(array.shape)}, the manifest says "
                                     f"{shape}")
         if dtype is not None and array.dtype != dtype:
@@ -380,15 +397,26 @@ class FeatureStore:
         return self._load(name, '.scales.npy', (self.shard(name).count, 2), np.float32)
 
     def keys(self, name: str) -> np.ndarray:
-        return self._keys(self.shard(name).name)
+        """A shard's keys in row order, read anew at each call (its callers read a shard's keys once; held, a CSV's
+        millions of paths would stay in every rank)."""
+        shard = self.shard(name)
+        return self._load(shard.name, '.keys.npy', (shard.count,), mmap_mode=None, decode_with=decode_keys)
 
-    @lru_cache(maxsize=64)
-    def _keys(self, name: str) -> np.ndarray:
-        return self._load(name, '.keys.npy', (self.shard(name).count,), mmap_mode=None, decode_with=decode_keys)
-
-    @lru_cache(maxsize=64)
-    def _rows(self, name: str) -> Dict[str, int]:
-        return {str(k): i for i, k in enumerate(self._keys(name))}
+    # a loader worker reads a shard's samples together (WebDataset's shuffle buffer spans a few shards at most), so a
+    # few shards' lookups are enough: 64 of 100k-sample shards held 2 GB per worker
+    @lru_cache(maxsize=8)
+    def _rows(self, name: str):
+        """The row of each key of a shard, by `.get(key)`: arithmetic for consecutive numbered keys (a key run, as
+        img2dataset writes them), else a dict of its keys."""
+        stored = self._load(name, '.keys.npy', None, mmap_mode=None)
+        if stored.dtype == KEY_RUN:
+            rows = KeyRun(*(int(stored[field]) for field in KEY_RUN.names))
+        else:  # UTF-8 bytes (str: stores written before keys were encoded)
+            rows = {key.decode() if isinstance(key, bytes) else key: i for i, key in enumerate(stored.tolist())}
+        if len(rows) != self.shard(name).count:
+            raise FeatureStoreError(f"shard '{name}': '{self.root / (name + '.keys.npy')}' holds {len(rows)} keys, "
+                                    f"the manifest says {self.shard(name).count}")
+        return rows
 
     def index_of(self, name: str, key: str) -> int:
         """Dense index of the sample `key` of shard `name`."""

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from drrho_openclip.data import image_mismatch
-from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter, shard_name
+from drrho_openclip.features import (LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter, encode_keys,
+                                     shard_name)
 
 DIM = 8
 
@@ -38,6 +39,11 @@ def test_consecutive_numbered_keys_cost_no_bytes_per_sample(tmp_path, dtype):
         assert store.keys(name).tolist() == keys
     assert store.index_of('00001', '000010007') == 5000 + 7
     assert store.index_of('00000', '000004999') == 4999
+    # found by arithmetic, not by a table of every key a loader worker would hold: exactly the stored keys match
+    for key in ('000005000', '00004999', '0000004999', '-00000001', '00000 001', '０００００００１２', '000009999'):
+        with pytest.raises(FeatureStoreError, match=f"sample '{key}' of shard '00000' is not in"):
+            store.index_of('00000', key)
+    assert store.index_of('00000', '000000000') == 0 and store.index_of('00001', '000011999') == 6999
 
 
 @pytest.mark.parametrize('keys', [
@@ -53,6 +59,17 @@ def test_other_keys_are_stored_as_they_are(tmp_path, keys):
     assert [store.index_of('s', k) for k in keys] == list(range(len(keys)))
     stored = np.load(tmp_path / 'store' / 's.keys.npy')
     assert stored.dtype.kind == 'S' and stored.shape == (len(keys),)  # UTF-8 bytes, one entry per sample
+
+
+@pytest.mark.parametrize('keys', [[f'{i:05d}' for i in range(4)], ['a', 'b', 'c', 'd']])
+def test_a_keys_file_of_another_length_than_the_manifest_says_is_named(tmp_path, keys):
+    """A shard's keys file replaced by another's (a key run, or bytes): found at the first lookup, not read as rows
+    of the features beside it."""
+    store = _store(tmp_path / 'store', {'s': keys})
+    np.save(tmp_path / 'store' / 's.keys.npy', encode_keys(keys[:3]))
+    store = FeatureStore.open(tmp_path / 'store')
+    with pytest.raises(FeatureStoreError, match=r"shard 's': '.*s\.keys\.npy' holds 3 keys, the manifest says 4"):
+        store.index_of('s', keys[0])
 
 
 def test_a_store_written_with_str_keys_still_reads(tmp_path):
