@@ -42,7 +42,7 @@ from .data import (UnreadableShard, add_data_args, caption_digests, caption_mism
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
                        FeatureStoreWriter, check_rows, finished_store_differences, holder_has_ended, lock_holder,
                        partial_dir, shard_files, shard_name)
-from .openclip.reference import create_model, pretrained_problem
+from .openclip.reference import built_model, create_model, pretrained_problem
 
 # How long a part that finds the store being finished by another waits to see it done (the move takes a moment;
 # longer means that process died holding the lock)
@@ -401,7 +401,9 @@ def main(argv=None):
         images = image_sizes(args, frame)
         names = [name for name, _ in shards]
         sizes = None if args.dataset_type == 'csv' else local_file_sizes(shards)  # a CSV is checked row by row
-        settings = (None, None, None) if args.keys_only else (args.model, args.pretrained or '', args.dtype)
+        # the model as built: a store of an earlier version, which built GELU where the tag needs QuickGELU, differs
+        settings = (None, None, None) if args.keys_only else (built_model(args.model, args.pretrained),
+                                                              args.pretrained or '', args.dtype)
         if args.keys_only:
             captions = images = None  # a keys-only store holds no features to check
         if (Path(args.output) / MANIFEST).exists() and not args.overwrite:

@@ -274,14 +274,19 @@ def test_an_online_reference_reads_the_learners_batches_as_its_own(shapes, tmp_p
         OnlineReference(open_clip.create_model(shapes['model'], force_context_length=8), args, 'cpu')
 
 
-def test_a_reference_is_built_as_its_pretrained_weights_were_trained(monkeypatch, caplog):
+def test_a_reference_is_built_as_its_pretrained_weights_were_trained(monkeypatch, caplog, tmp_path):
     """OpenAI's weights under a plain name (`ViT-B-32` with `openai`, as the README's precompute command reads) were
     trained with QuickGELU, which OpenCLIP only warns about while it builds GELU: every reference feature was of
     another function. A hub or folder model says it has its weights from there (it was reported as random)."""
-    from drrho_openclip.openclip.reference import create_model, needs_quick_gelu
+    from drrho_openclip.openclip.reference import built_model, create_model, needs_quick_gelu
     assert needs_quick_gelu('ViT-B-32', 'openai') and needs_quick_gelu('RN50', 'openai')
-    assert not needs_quick_gelu('ViT-B-32-quickgelu', 'openai') and not needs_quick_gelu('ViT-B-32', 'laion2b_s34b_b79k')
+    assert needs_quick_gelu('ViT-B/32', 'openai')  # the name as OpenCLIP also reads it
+    assert not needs_quick_gelu('ViT-B-32-quickgelu', 'openai')
+    assert not needs_quick_gelu('ViT-B-32', 'laion2b_s34b_b79k')
     assert not needs_quick_gelu('ViT-B-32', None) and not needs_quick_gelu('local-dir:/x', 'openai')
+    # what stores and runs record: one written by an earlier version, GELU under the plain name, reads as another
+    assert built_model('ViT-B/32', 'openai') == built_model('ViT-B-32', 'openai') == 'ViT-B-32-quickgelu'
+    assert built_model('ViT-B-32', 'laion2b_s34b_b79k') == 'ViT-B-32' and built_model('m', None) == 'm'
     built, real = [], open_clip.create_model_and_transforms
 
     def recording(name, **kwargs):  # nothing downloads: the model is built without weights
@@ -300,6 +305,17 @@ def test_a_reference_is_built_as_its_pretrained_weights_were_trained(monkeypatch
         create_model('hf-hub:org/model')
     assert not built[-1][1]['force_quick_gelu'] and 'random weights' not in caplog.text
     assert "reference model hf-hub:org/model, weights as OpenCLIP loads them for it" in caplog.text
+    folder = tmp_path / 'model'
+    folder.mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        create_model(f'local-dir:{folder}')  # a config alone: OpenCLIP initialises it randomly
+    assert f"reference model local-dir:{folder} has random weights" in caplog.text
+    (folder / 'open_clip_pytorch_model.bin').write_bytes(b'')
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        create_model(f'local-dir:{folder}')
+    assert 'random weights' not in caplog.text and "weights as OpenCLIP loads them for it" in caplog.text
 
 
 @pytest.mark.parametrize('precision, dtype', [('amp_bf16', 'bfloat16'), ('fp32', 'float32')])

@@ -15,7 +15,7 @@ from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
                       option_names, per_sample_tables)
-from .reference import pretrained_problem
+from .reference import built_model, pretrained_problem
 from .run import Run
 
 # Options whose default the run chooses (tile_size: from the batch sizes; state_layout 'auto': from the dataset size
@@ -432,8 +432,8 @@ def _reference_in_use(args, reference_store) -> Optional[str]:
     if reference_store is not None:
         weights = f" ({reference_store.pretrained})" if reference_store.pretrained else ''
         return f"--ref-features of {reference_store.model}{weights}, dim {reference_store.dim}"
-    if args.ref_model is not None:
-        return f"--ref-model {args.ref_model} --ref-pretrained {args.ref_pretrained}"
+    if args.ref_model is not None:  # as built: a run of an earlier version built GELU where the tag needs QuickGELU
+        return f"--ref-model {built_model(args.ref_model, args.ref_pretrained)} --ref-pretrained {args.ref_pretrained}"
     return None
 
 

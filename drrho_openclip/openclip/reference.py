@@ -35,8 +35,24 @@ def needs_quick_gelu(name: str, pretrained: Optional[str]) -> bool:
     from open_clip.pretrained import get_pretrained_cfg
     if not pretrained or name.startswith(SCHEMAS) or Path(pretrained).is_file():
         return False
+    name = name.replace('/', '-')  # as OpenCLIP reads `ViT-B/32`
     tag = get_pretrained_cfg(name, pretrained) or {}
     return bool(tag.get('quick_gelu')) and not (get_model_config(name) or {}).get('quick_gelu', False)
+
+
+def built_model(name: str, pretrained: Optional[str]) -> str:
+    """The reference model as it is built, for records that tell stores and runs apart: `name`, or OpenCLIP's
+    `-quickgelu` name where the tag needs it (a store or run of an earlier version built GELU under `name`)."""
+    return f"{name.replace('/', '-')}-quickgelu" if needs_quick_gelu(name, pretrained) else name
+
+
+def _has_weights(name: str) -> bool:
+    """Whether OpenCLIP loads weights for a `hf-hub:` model (always) or a `local-dir:` one (a checkpoint file in its
+    folder, by the suffixes OpenCLIP looks for)."""
+    if name.startswith('local-dir:'):
+        folder = Path(name.removeprefix('local-dir:'))
+        return any(any(folder.glob(f'*{suffix}')) for suffix in ('.safetensors', '.bin', '.pth'))
+    return name.startswith('hf-hub:')
 
 
 def create_model(name: str, pretrained: str = None, device='cpu', precision='fp32', cache_dir=None):
@@ -76,7 +92,7 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
                          f"trained (TempNet's); the reference model leaves them out")
     if pretrained:
         logging.info(f"drrho-openclip: reference model {name}, weights from '{pretrained}'")
-    elif name.startswith(SCHEMAS):
+    elif _has_weights(name):
         logging.info(f"drrho-openclip: reference model {name}, weights as OpenCLIP loads them for it")
     else:
         logging.warning(f"drrho-openclip: reference model {name} has random weights (no pretrained tag or "
