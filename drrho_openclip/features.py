@@ -226,11 +226,11 @@ def _tmp_path(path: Path) -> Path:
     return path.with_name(f'{path.name}.{socket.gethostname()}-{os.getpid()}.tmp')
 
 
-def lock_holder(root: Path) -> Optional[Tuple[str, int]]:
-    """(host, process id) of the process that took the finishing lock of the unfinished store folder `root`, or None:
+def lock_holder(path: Path) -> Optional[Tuple[str, int]]:
+    """(host, process id) of the process that took the finishing lock `path` (an unfinished store's LOCK), or None:
     no lock, or one that records neither (taken by an earlier version, or a moment ago)."""
     try:
-        host, pid = (root / LOCK).read_text().split()
+        host, pid = path.read_text().split()
         return host, int(pid)
     except (OSError, ValueError):
         return None

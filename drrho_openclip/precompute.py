@@ -25,6 +25,7 @@ does). Finished shards are skipped, so running the same command again resumes a 
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -339,12 +340,33 @@ def _add_shard(writer, url, name, keys, *features, rows_are_index=False):
         raise SystemExit(f"--train-data '{url}': {e}; nothing of the shard was written") from None
 
 
-def _finalize(writer, explicit: bool) -> int:
-    holder = lock_holder(writer.root)
-    if explicit and holder is not None and holder_has_ended(holder):
-        logging.warning(f"'{writer.root / LOCK}' was left by process {holder[1]} of this host, which has ended while "
+def _take_over_ended_lock(root: Path):
+    """Remove the finishing lock of `root` where its holder is a process of this host that has ended. The lock is
+    first moved aside, which one process alone can do, and put back if what was moved is not the ended holder's:
+    another --finalize may have taken it over meanwhile and hold a fresh one."""
+    holder = lock_holder(root / LOCK)
+    if holder is None or not holder_has_ended(holder):
+        return
+    aside = root / f'{LOCK}.{socket.gethostname()}-{os.getpid()}.ended'
+    try:
+        os.rename(root / LOCK, aside)
+    except FileNotFoundError:  # taken over, or the store finished, by another process: close() says which
+        return
+    if lock_holder(aside) == holder:
+        aside.unlink()
+        logging.warning(f"'{root / LOCK}' was left by process {holder[1]} of this host, which has ended while "
                         f"finishing the store: finishing it in its place")
-        (writer.root / LOCK).unlink()
+        return
+    try:  # another's fresh lock: back in place, unless a third process has taken the lock since
+        os.link(aside, root / LOCK)
+    except FileExistsError:
+        pass
+    aside.unlink()
+
+
+def _finalize(writer, explicit: bool) -> int:
+    if explicit:
+        _take_over_ended_lock(writer.root)
     try:
         done = writer.close()
     except FeatureStoreError as e:
@@ -362,7 +384,7 @@ def _finalize(writer, explicit: bool) -> int:
     if not writer.root.exists():
         logging.info(f"another process finished the store in {writer.final}")
         return 0
-    holder = lock_holder(writer.root)
+    holder = lock_holder(writer.root / LOCK)
     by = f", taken by process {holder[1]} on {holder[0]}" if holder is not None else ''
     message = (f"'{writer.root / LOCK}' exists{by}: another process is finishing the store (or died doing so: if it "
                f"no longer runs, delete that file and run --finalize; on that host --finalize finds it ended itself)")

@@ -373,6 +373,32 @@ def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tm
     assert sorted(os.listdir(out)) == ['a.features.npy', 'a.keys.npy', 'manifest.json']
 
 
+def test_two_finalize_taking_over_an_ended_lock_at_once_do_not_both_finish_the_store(tmp_path, monkeypatch):
+    """Each read the ended holder; the one that comes second finds the lock gone (the store finished), or the other's
+    fresh lock in its place, which it must leave there (it removed it, and both finished the store)."""
+    out = tmp_path / 'ref'
+    writer = FeatureStoreWriter(out, 'm', '', dtype='float16', shards=['a'])
+    writer.add_shard('a', ['x'], np.eye(4)[:1], np.eye(4)[:1])
+    lock = tmp_path / 'ref.partial' / LOCK
+    ended = subprocess.run(['sh', '-c', 'echo $$'], capture_output=True, text=True, check=True).stdout.split()[0]
+    real = precompute.lock_holder
+    reads = []
+
+    def read_before_the_other_took_over(path):  # the first read: the ended holder, as the file said a moment ago
+        reads.append(path)
+        return (socket.gethostname(), int(ended)) if len(reads) == 1 else real(path)
+    monkeypatch.setattr(precompute, 'lock_holder', read_before_the_other_took_over)
+    lock.write_text(f'{socket.gethostname()} {os.getpid()}\n')  # the other --finalize's fresh lock: it is finishing
+    with pytest.raises(SystemExit, match=f"taken by process {os.getpid()} on"):
+        precompute.main(['--finalize', '--output', out])
+    assert lock.read_text().split() == [socket.gethostname(), str(os.getpid())] and not out.exists()
+    assert [p.name for p in lock.parent.iterdir() if p.name.startswith(LOCK)] == [LOCK]
+    lock.unlink()  # the other finished and released it; this one read the ended holder before
+    reads.clear()
+    assert precompute.main(['--finalize', '--output', out]) == 0
+    assert [s.name for s in FeatureStore.open(out).shards] == ['a']
+
+
 def test_what_would_stop_precompute_later_stops_it_before_a_store_is_started(shapes, shards, tmp_path):
     """A mistyped shard range or model: stopped with its flag named and no `.partial` left behind, which would
     otherwise hold the mistyped plan and refuse the corrected command."""
