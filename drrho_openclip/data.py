@@ -299,6 +299,9 @@ def _silent_end(path) -> Optional[str]:
     if size - end < 1024:
         return ("ends without the two empty blocks that end a tar file: cut short on a member's boundary (an "
                 "interrupted download or copy)?")
+    if size - end > 1024 + tarfile.RECORDSIZE:  # the end's two blocks, and the padding of its last record
+        return (f"is read up to byte {end} of its {size}, and zeros follow, more than a tar file's end takes: a "
+                f"download whose file was allocated in full and cut short?")
     return None
 
 

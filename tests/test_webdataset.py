@@ -424,10 +424,12 @@ def test_a_shard_whose_reading_ends_early_without_an_error_is_named(tmp_path, ca
     (tmp_path / 'flipped.tar').write_bytes(bytes(flipped))
     (tmp_path / 'joined.tar').write_bytes(whole + (tmp_path / 'other.tar').read_bytes())
     (tmp_path / 'whole.tar.gz').write_bytes(gzip.compress(whole))
+    (tmp_path / 'zeros.tar').write_bytes(whole[:offsets[4]] + bytes(len(whole)))  # allocated in full, then cut
     expected = {'whole.tar': (4, None), 'whole.tar.gz': (4, None),
                 'boundary.tar': (2, 'ends without the two empty blocks that end a tar file'),
                 'flipped.tar': (2, f'is read up to byte {offsets[4]} of its {len(whole)}'),
-                'joined.tar': (4, f'is read up to byte {offsets[-1] + 512 + 1024} of its {2 * len(whole)}, and more')}
+                'joined.tar': (4, f'is read up to byte {offsets[-1] + 512 + 1024} of its {2 * len(whole)}, and more'),
+                'zeros.tar': (2, f'is read up to byte {offsets[4]} of its {offsets[4] + len(whole)}, and zeros')}
     for name, (count, warning) in expected.items():
         url = str(tmp_path / name)
         caplog.clear()
