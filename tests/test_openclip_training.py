@@ -153,6 +153,14 @@ def test_a_plain_clip_checkpoint_is_named_and_the_advice_to_start_from_it_works(
     result = run_openclip(train_args(shapes, tmp_path, 'from_weights', '--loss', 'sogclr', '--resume', weights))
     assert "holds a model's weights only (no epoch): OpenCLIP starts a new run from them" in result.stderr
     assert checkpoint(tmp_path, 'from_weights', 1)['epoch'] == 1
+    # saved from a DDP model: OpenCLIP loads weights alone as written, so one process cannot read them
+    prefixed = tmp_path / 'ddp_weights.pt'
+    torch.save({f'module.{k}': v for k, v in torch.load(weights, weights_only=True).items()}, prefixed)
+    result = run_openclip(train_args(shapes, tmp_path, 'from_ddp', '--loss', 'sogclr', '--resume', prefixed),
+                          check=False)
+    assert result.returncode != 0 and (f"--resume '{prefixed}' holds a model's weights alone, with DDP's 'module.' "
+                                       f"prefix, which OpenCLIP loads into this run's model as written, and fails. "
+                                       f"OpenCLIP reads a local-dir: model's weights from its folder") in result.stderr
     copy = tmp_path / 'tiny_from_clip'
     shutil.copytree(shapes['model'].removeprefix('local-dir:'), copy)
     shutil.copy(first, copy / 'open_clip_pytorch_model.bin')

@@ -70,6 +70,11 @@ def check_resumed_loss(loss, run: Run, args):
     weights = {k.removeprefix('module.'): v for k, v in model.items()}
     if loss is not None:
         _check_attached_sizes(loss, weights, args)
+    if bare and any(k.startswith('module.') for k in model) != bool(args.distributed):
+        # OpenCLIP loads weights alone as they are written (a checkpoint's, it strips or adds DDP's prefix)
+        written = "with DDP's 'module.' prefix" if not args.distributed else "without DDP's 'module.' prefix"
+        raise SystemExit(f"drrho-openclip: --resume '{args.resume}' holds a model's weights alone, {written}, which "
+                         f"OpenCLIP loads into this run's model as written, and fails. {_start_from(args, weights)}")
     if bare or not trains(args):  # no loss state is read, but the model's weights are, strictly
         saved = {k.split('.')[0] for k in weights if k.startswith(ATTACHED_PREFIX)}
         own = set(attached_names(loss)) if loss is not None else set()
@@ -200,14 +205,18 @@ def _warn_of_changes(saved: dict, run: Run, args, shifted_state: bool):
 def _new_run(args, weights: dict) -> str:
     """What to do instead of resuming: a new run, from the checkpoint's weights (`weights`, without DDP's 'module.')
     where --pretrained can load them."""
-    advice = "Train another loss or data as a new run (another --name)"
+    return f"Train another loss or data as a new run (another --name); {_start_from(args, weights)}"
+
+
+def _start_from(args, weights: dict) -> str:
+    """How a new run starts from the weights of --resume's file (`weights`, without DDP's 'module.')."""
     if (args.model or '').startswith('local-dir:'):
-        return (f"{advice}; OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained: to "
-                f"start from this checkpoint, copy the folder, put the checkpoint in the copy as "
-                f"open_clip_pytorch_model.bin and train --model local-dir:<the copy>")
+        return (f"OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained: to start from "
+                f"this checkpoint, copy the folder, put the checkpoint in the copy as open_clip_pytorch_model.bin and "
+                f"train --model local-dir:<the copy>")
     if any(k.startswith(ATTACHED_PREFIX) for k in weights):
-        return f"{advice}; its model also holds TempNet's networks, which --pretrained does not load"
-    return f"{advice}; --pretrained '{args.resume}' starts it from those weights"
+        return "its model also holds TempNet's networks, which --pretrained does not load"
+    return f"--pretrained '{args.resume}' starts it from those weights"
 
 
 def resolve_loss_state(run: Run, loss, loss_state, args):
