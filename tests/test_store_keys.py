@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from drrho_openclip.data import image_mismatch
-from drrho_openclip.features import (LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter, encode_keys,
-                                     shard_name)
+from drrho_openclip.features import (LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter, KeyRun,
+                                     encode_keys, shard_name)
 
 DIM = 8
 
@@ -40,6 +40,7 @@ def test_consecutive_numbered_keys_cost_no_bytes_per_sample(tmp_path, dtype):
     assert store.index_of('00001', '000010007') == 5000 + 7
     assert store.index_of('00000', '000004999') == 4999
     # found by arithmetic, not by a table of every key a loader worker would hold: exactly the stored keys match
+    assert all(isinstance(store._rows(name), KeyRun) for name in shards)
     for key in ('000005000', '00004999', '0000004999', '-00000001', '00000 001', '０００００００１２', '000009999'):
         with pytest.raises(FeatureStoreError, match=f"sample '{key}' of shard '00000' is not in"):
             store.index_of('00000', key)
