@@ -188,10 +188,11 @@ def image_mismatch(shard, args, images: Sequence[str]) -> Optional[str]:
     now = _sampled_image_sizes(images)
     for row, size in (shard.image_bytes or {}).items():
         if now.get(row) != size:
-            return (f"row {row} (from 0, the header not counted) of '{args.train_data}' names '{images[int(row)]}', of "
-                    f"{now.get(row, 'no')} bytes, where the store's features are of a file of {size} bytes: another "
-                    f"image by the same path (a relative path is read from the working directory, here "
-                    f"'{os.getcwd()}'): run from the folder the store was written in, or write it again")
+            return (f"row {row} (from 0, the header not counted) of '{args.train_data}' names "
+                    f"'{images[int(row)]}', of {now.get(row, 'no')} bytes, where the store's features are of a file "
+                    f"of {size} bytes: another image by the same path (a relative path is read from the working "
+                    f"directory, here '{os.getcwd()}'): run from the folder the store was written in, or write it "
+                    f"again")
     return None
 
 
@@ -279,8 +280,9 @@ def _raw_samples(url):
 def _silent_end(path) -> Optional[str]:
     """What is wrong with the end of the local uncompressed tar file `path`, or None. tarfile ends a stream at a
     damaged header, or at the end of a file without tar's end-of-archive blocks, as if at the end (only a first
-    header it cannot read raises), so a download cut on a member's boundary, a flipped byte in a header, or two tar
-    files joined together read as fewer samples, in precompute and in training alike, without a word."""
+    header it cannot read raises), so a download cut on a member's boundary (or allocated in full and cut, leaving
+    zeros), a flipped byte in a header, or two tar files joined together read as fewer samples, in precompute and in
+    training alike, without a word."""
     import tarfile
     try:
         with tarfile.open(path, 'r:') as archive:  # headers only: it seeks over the members' data

@@ -433,7 +433,8 @@ def _reference_in_use(args, reference_store) -> Optional[str]:
         weights = f" ({reference_store.pretrained})" if reference_store.pretrained else ''
         return f"--ref-features of {reference_store.model}{weights}, dim {reference_store.dim}"
     if args.ref_model is not None:  # as built: a run of an earlier version built GELU where the tag needs QuickGELU
-        return f"--ref-model {built_model(args.ref_model, args.ref_pretrained)} --ref-pretrained {args.ref_pretrained}"
+        built = built_model(args.ref_model, args.ref_pretrained)
+        return f"--ref-model {built} --ref-pretrained {args.ref_pretrained}"
     return None
 
 

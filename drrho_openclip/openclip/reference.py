@@ -67,7 +67,7 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
     quick_gelu = needs_quick_gelu(name, pretrained)
     if quick_gelu:
         logging.info(f"drrho-openclip: reference model {name} is built with QuickGELU, as its '{pretrained}' weights "
-                     f"were trained (OpenCLIP's {name}-quickgelu)")
+                     f"were trained (OpenCLIP's {built_model(name, pretrained)})")
     model, _, preprocess = open_clip.create_model_and_transforms(
         name, pretrained=None if is_file or not pretrained else pretrained, device=device, precision=precision,
         cache_dir=cache_dir, force_quick_gelu=quick_gelu)
