@@ -69,6 +69,7 @@ LOCK = 'finalize.lock'
 FORMAT_VERSION = 1
 DTYPES = {'float16': np.float16, 'float32': np.float32, 'int8': np.int8}
 UNIT_NORM_TOLERANCE = 0.02  # float16 and int8 rounding move a norm by < 1e-2
+KEY_SLICE = 1 << 16  # keys compared at a time by `first_other_key`
 NPY_HEADER_BYTES = 64  # the least header of a .npy file (numpy pads it to a multiple of 64 bytes)
 # A data file's extension (.tar, .tar.gz, .csv, ...), where the shard name ends: the first one in the file name, so
 # that what follows it (a compression suffix, a `pipe:` command's further arguments, a URL's query) is cut too
@@ -401,6 +402,21 @@ class FeatureStore:
         millions of paths would stay in every rank)."""
         shard = self.shard(name)
         return self._load(shard.name, '.keys.npy', (shard.count,), mmap_mode=None, decode_with=decode_keys)
+
+    def first_other_key(self, name: str, keys: Sequence[str]) -> Optional[int]:
+        """The first row whose stored key is not the one `keys` (as many as the shard's samples) has there, or None.
+        Read in slices of the memory-mapped keys file: every rank checks a CSV's paths at start-up, and its millions
+        of paths, decoded whole, took gigabytes in each."""
+        stored = self._load(self.shard(name).name, '.keys.npy', None)
+        if stored.dtype.kind != 'S':  # a key run, or str keys of an earlier version
+            stored = decode_keys(stored)
+        for start in range(0, len(keys), KEY_SLICE):
+            part = stored[start:start + KEY_SLICE]
+            part = (np.char.decode(part, 'utf-8') if part.dtype.kind == 'S' else part).tolist()
+            for row, (key, other) in enumerate(zip(part, keys[start:start + KEY_SLICE]), start):
+                if key != other:
+                    return row
+        return None
 
     # a loader worker reads a shard's samples together (WebDataset's shuffle buffer spans a few shards at most), so a
     # few shards' lookups are enough: 64 of 100k-sample shards held 2 GB per worker

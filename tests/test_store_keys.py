@@ -73,11 +73,29 @@ def test_a_keys_file_of_another_length_than_the_manifest_says_is_named(tmp_path,
         store.index_of('s', keys[0])
 
 
+@pytest.mark.parametrize('keys', [[f'img/{i}.jpg' for i in range(10)], [f'{i:04d}' for i in range(10)]])
+def test_a_shards_keys_are_compared_in_slices_as_they_are_stored(tmp_path, keys, monkeypatch):
+    """A CSV's store is checked against its image paths at every start, by every rank: in slices of the memory-mapped
+    keys file, never decoded whole, the first other key is found across a slice's end, and in a key run too."""
+    import drrho_openclip.features as features
+    from drrho_openclip.openclip.flags import check_csv_keys
+    store = _store(tmp_path / 'store', {'data': keys})
+    monkeypatch.setattr(features, 'KEY_SLICE', 3)
+    assert store.first_other_key('data', keys) is None
+    for row in (0, 2, 3, 9):  # the first and last of a slice, the next slice's first, the last row
+        assert store.first_other_key('data', keys[:row] + ['other'] + keys[row + 1:]) == row
+    monkeypatch.setattr(store, 'keys', lambda name: pytest.fail('the keys were read whole'))
+    assert check_csv_keys(store, 'data.csv', keys) is None
+    with pytest.raises(FeatureStoreError, match=r"has 10 reference features for 'data.csv', which has 9 rows"):
+        check_csv_keys(store, 'data.csv', keys[:-1])
+
+
 def test_a_store_written_with_str_keys_still_reads(tmp_path):
     store = _store(tmp_path / 'store', {'s': ['k1', 'k2']})
     np.save(tmp_path / 'store' / 's.keys.npy', np.array(['k1', 'k2']))  # numpy's str dtype, as earlier versions wrote
     store = FeatureStore.open(tmp_path / 'store')
     assert store.keys('s').tolist() == ['k1', 'k2'] and store.index_of('s', 'k2') == 1
+    assert store.first_other_key('s', ['k1', 'k2']) is None and store.first_other_key('s', ['k1', 'k3']) == 1
 
 
 def test_a_store_replaces_the_leftover_of_a_killed_replacement(tmp_path):

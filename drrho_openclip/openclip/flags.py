@@ -405,13 +405,14 @@ def check_csv_keys(store, csv_path, images) -> Optional[str]:
                                 f"shard is named after its file; it has {', '.join(s.name for s in store.shards[:3])}"
                                 f"{', ...' if len(store.shards) > 3 else ''}): train with the CSV it was written for, "
                                 f"or write the store for this one")
-    keys = [str(key) for key in store.keys(name)]
+    count = store.shard(name).count
     images = [str(image) for image in images]
-    if len(keys) != len(images):
-        raise FeatureStoreError(f"'{store.root}' has {len(keys)} reference features for '{csv_path}', "
+    if count != len(images):
+        raise FeatureStoreError(f"'{store.root}' has {count} reference features for '{csv_path}', "
                                 f"which has {len(images)} rows")
-    if keys == images:
+    if store.first_other_key(name, images) is None:
         return None
+    keys = store.keys(name).tolist()  # other paths: a moved dataset, or another CSV
     moved = moved_folders(keys, images)
     if moved:
         return (f"drrho-openclip: the images of '{csv_path}' are below '{moved[1]}', where '{store.root}' was written "
