@@ -139,14 +139,17 @@ def encode_keys(keys: Sequence[str]) -> np.ndarray:
 
 
 class KeyRun:
-    """The rows of a shard whose keys are f'{first + i:0{width}d}' for i < count, found by arithmetic: a dict of its
-    keys would hold each as a Python string."""
+    """The keys f'{first + i:0{width}d}' for i < count of a KEY_RUN record, whose rows are found by arithmetic: a dict
+    of its keys would hold each as a Python string."""
 
-    def __init__(self, first: int, count: int, width: int):
-        self.first, self.count, self.width = first, count, width
+    def __init__(self, record: np.ndarray):
+        self.first, self.count, self.width = (int(record[field]) for field in KEY_RUN.names)
 
     def __len__(self):
         return self.count
+
+    def keys(self) -> np.ndarray:
+        return np.array([f'{self.first + i:0{self.width}d}' for i in range(self.count)], dtype=str)
 
     def get(self, key: str) -> Optional[int]:
         if len(key) != self.width or not (key.isascii() and key.isdecimal()):
@@ -158,8 +161,7 @@ class KeyRun:
 def decode_keys(stored: np.ndarray) -> np.ndarray:
     """The keys, as a [n] array of str, of what `encode_keys` wrote."""
     if stored.dtype == KEY_RUN:
-        first, count, width = (int(stored[field]) for field in KEY_RUN.names)
-        return np.array([f'{first + i:0{width}d}' for i in range(count)], dtype=str)
+        return KeyRun(stored).keys()
     if stored.dtype.kind == 'S':
         return np.char.decode(stored, 'utf-8')
     return stored  # str: stores written before keys were encoded
@@ -408,11 +410,10 @@ class FeatureStore:
         Read in slices of the memory-mapped keys file: every rank checks a CSV's paths at start-up, and its millions
         of paths, decoded whole, took gigabytes in each."""
         stored = self._load(self.shard(name).name, '.keys.npy', None)
-        if stored.dtype.kind != 'S':  # a key run, or str keys of an earlier version
+        if stored.dtype == KEY_RUN:  # one record, not sliced
             stored = decode_keys(stored)
         for start in range(0, len(keys), KEY_SLICE):
-            part = stored[start:start + KEY_SLICE]
-            part = (np.char.decode(part, 'utf-8') if part.dtype.kind == 'S' else part).tolist()
+            part = decode_keys(stored[start:start + KEY_SLICE]).tolist()
             for row, (key, other) in enumerate(zip(part, keys[start:start + KEY_SLICE]), start):
                 if key != other:
                     return row
@@ -426,9 +427,9 @@ class FeatureStore:
         img2dataset writes them), else a dict of its keys."""
         stored = self._load(name, '.keys.npy', None, mmap_mode=None)
         if stored.dtype == KEY_RUN:
-            rows = KeyRun(*(int(stored[field]) for field in KEY_RUN.names))
-        else:  # UTF-8 bytes (str: stores written before keys were encoded)
-            rows = {key.decode() if isinstance(key, bytes) else key: i for i, key in enumerate(stored.tolist())}
+            rows = KeyRun(stored)
+        else:
+            rows = {key: i for i, key in enumerate(decode_keys(stored).tolist())}
         if len(rows) != self.shard(name).count:
             raise FeatureStoreError(f"shard '{name}': '{self.root / (name + '.keys.npy')}' holds {len(rows)} keys, "
                                     f"the manifest says {self.shard(name).count}")
