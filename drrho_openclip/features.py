@@ -239,7 +239,7 @@ def lock_holder(path: Path) -> Optional[Tuple[str, int]]:
         return None
 
 
-def holder_has_ended(holder: Tuple[str, int]) -> bool:
+def _holder_has_ended(holder: Tuple[str, int]) -> bool:
     """Whether the lock's holder is known to have ended: a process of this host that no longer runs (another host's
     cannot be checked from here)."""
     host, pid = holder
@@ -683,6 +683,30 @@ class FeatureStoreWriter:
     def missing(self) -> List[str]:
         """The planned shards that are not finished yet."""
         return [name for name in (self.plan or []) if not self.finished(name)]
+
+    def take_over_ended_lock(self) -> Optional[int]:
+        """Remove the finishing lock where its holder is a process of this host that has ended, and return that
+        process's id (None: no such lock). The lock is first moved aside, which one process alone can do, and put back
+        if what was moved is not the ended holder's: another process may have taken it over meanwhile and hold a
+        fresh one."""
+        lock = self.root / LOCK
+        holder = lock_holder(lock)
+        if holder is None or not _holder_has_ended(holder):
+            return None
+        aside = lock.with_name(f'{LOCK}.{socket.gethostname()}-{os.getpid()}.ended')
+        try:
+            os.rename(lock, aside)
+        except FileNotFoundError:  # taken over, or the store finished, by another process: close() says which
+            return None
+        if lock_holder(aside) == holder:
+            aside.unlink()
+            return holder[1]
+        try:  # another's fresh lock: back in place, unless a third process has taken the lock since
+            os.link(aside, lock)
+        except FileExistsError:
+            pass
+        aside.unlink()
+        return None
 
     def close(self) -> bool:
         """Write the manifest and move the store in place. False (and nothing done) when another process holds the

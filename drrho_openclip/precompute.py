@@ -25,7 +25,6 @@ does). Finished shards are skipped, so running the same command again resumes a 
 import argparse
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from .data import (UnreadableShard, add_data_args, caption_digests, caption_mism
                    local_file_sizes, local_path, missing_local_file, moved_folders, read_csv, resolve_dataset_type,
                    shard_keys, shard_samples, sources, undecodable_keys)
 from .features import (DTYPES, LOCK, MANIFEST, UNIT_NORM_TOLERANCE, FeatureStore, FeatureStoreError,
-                       FeatureStoreWriter, check_rows, finished_store_differences, holder_has_ended, lock_holder,
+                       FeatureStoreWriter, check_rows, finished_store_differences, lock_holder,
                        partial_dir, shard_files, shard_name)
 from .openclip.reference import built_model, create_model, pretrained_problem
 
@@ -340,33 +339,11 @@ def _add_shard(writer, url, name, keys, *features, rows_are_index=False):
         raise SystemExit(f"--train-data '{url}': {e}; nothing of the shard was written") from None
 
 
-def _take_over_ended_lock(root: Path):
-    """Remove the finishing lock of `root` where its holder is a process of this host that has ended. The lock is
-    first moved aside, which one process alone can do, and put back if what was moved is not the ended holder's:
-    another --finalize may have taken it over meanwhile and hold a fresh one."""
-    holder = lock_holder(root / LOCK)
-    if holder is None or not holder_has_ended(holder):
-        return
-    aside = root / f'{LOCK}.{socket.gethostname()}-{os.getpid()}.ended'
-    try:
-        os.rename(root / LOCK, aside)
-    except FileNotFoundError:  # taken over, or the store finished, by another process: close() says which
-        return
-    if lock_holder(aside) == holder:
-        aside.unlink()
-        logging.warning(f"'{root / LOCK}' was left by process {holder[1]} of this host, which has ended while "
-                        f"finishing the store: finishing it in its place")
-        return
-    try:  # another's fresh lock: back in place, unless a third process has taken the lock since
-        os.link(aside, root / LOCK)
-    except FileExistsError:
-        pass
-    aside.unlink()
-
-
 def _finalize(writer, explicit: bool) -> int:
-    if explicit:
-        _take_over_ended_lock(writer.root)
+    ended = writer.take_over_ended_lock() if explicit else None
+    if ended is not None:
+        logging.warning(f"'{writer.root / LOCK}' was left by process {ended} of this host, which has ended while "
+                        f"finishing the store: finishing it in its place")
     try:
         done = writer.close()
     except FeatureStoreError as e:

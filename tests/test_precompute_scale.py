@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ENV
-from drrho_openclip import precompute
+from drrho_openclip import features, precompute
 from drrho_openclip.data import local_file_sizes, missing_local_file
 from drrho_openclip.features import LOCK, FeatureStore, FeatureStoreError, FeatureStoreWriter
 
@@ -340,6 +340,11 @@ def test_an_output_that_cannot_be_written_is_named(data, tmp_path):
         precompute.main(['--keys-only', '--train-data', data['urls'], '--output', output])
 
 
+def _ended_process() -> str:
+    """The id of a process of this host that has ended."""
+    return subprocess.run(['sh', '-c', 'echo $$'], capture_output=True, text=True, check=True).stdout.split()[0]
+
+
 def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tmp_path, monkeypatch, caplog):
     """The manifest written, the store not yet moved into place, the lock left: --finalize names the lock's holder,
     and takes the lock over where that is a process of this host that has ended (it told the user to delete it)."""
@@ -364,7 +369,7 @@ def test_finalize_finishes_a_store_whose_finishing_was_killed_before_the_move(tm
     lock.write_text('node-elsewhere 12\n')  # another host's process: not known to have ended
     with pytest.raises(SystemExit, match="taken by process 12 on node-elsewhere"):
         precompute.main(['--finalize', '--output', out])
-    ended = subprocess.run(['sh', '-c', 'echo $$'], capture_output=True, text=True, check=True).stdout.split()[0]
+    ended = _ended_process()
     lock.write_text(f'{socket.gethostname()} {ended}\n')  # a process of this host that has ended: left behind
     with caplog.at_level(logging.WARNING):
         assert precompute.main(['--finalize', '--output', out]) == 0
@@ -380,14 +385,14 @@ def test_two_finalize_taking_over_an_ended_lock_at_once_do_not_both_finish_the_s
     writer = FeatureStoreWriter(out, 'm', '', dtype='float16', shards=['a'])
     writer.add_shard('a', ['x'], np.eye(4)[:1], np.eye(4)[:1])
     lock = tmp_path / 'ref.partial' / LOCK
-    ended = subprocess.run(['sh', '-c', 'echo $$'], capture_output=True, text=True, check=True).stdout.split()[0]
-    real = precompute.lock_holder
+    ended = _ended_process()
+    real = features.lock_holder
     reads = []
 
     def read_before_the_other_took_over(path):  # the first read: the ended holder, as the file said a moment ago
         reads.append(path)
         return (socket.gethostname(), int(ended)) if len(reads) == 1 else real(path)
-    monkeypatch.setattr(precompute, 'lock_holder', read_before_the_other_took_over)
+    monkeypatch.setattr(features, 'lock_holder', read_before_the_other_took_over)
     lock.write_text(f'{socket.gethostname()} {os.getpid()}\n')  # the other --finalize's fresh lock: it is finishing
     with pytest.raises(SystemExit, match=f"taken by process {os.getpid()} on"):
         precompute.main(['--finalize', '--output', out])
