@@ -8,7 +8,7 @@ import torch
 
 from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveLoss, LogitScaleTemperature,
                       attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec,
-                      inactive_options)
+                      inactive_options, rho_for_batch)
 from .checkpoints import check_resumed_loss
 from .flags import trains
 from .reference import OnlineReference
@@ -100,8 +100,8 @@ def configure_model(run: Run, model, args):
                      f"{gamma_at_epoch(last_epoch, state.gamma_min, state.gamma_decay_epochs):.3g} ({reach})")
     global_batch = run.provenance['global_batch']
     if options.get('rho') == AUTO and 'rho' not in inactive_options(run.loss_name, SimpleNamespace(**options)) \
-            and global_batch - 1 <= options['target_negatives']:
-        # log((B − 1)/k) clamped at 0: the README's k effective negatives per anchor cannot be had from B − 1
+            and rho_for_batch(global_batch, options['target_negatives']) == 0:
+        # the README's k effective negatives per anchor cannot be had from B − 1
         logging.info(f"drrho-openclip: --rho auto is 0 at this run's global batch {global_batch}: its "
                      f"{global_batch - 1} negatives per anchor are no more than --target-negatives "
                      f"{options['target_negatives']:g}, so τ rises until every negative weighs alike")
