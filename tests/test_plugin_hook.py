@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import open_clip_train
+from drrho_openclip import _bootstrap
 from drrho_openclip.openclip import import_hook
 
 SITE = Path(open_clip_train.__file__).resolve().parent.parent
@@ -17,9 +18,10 @@ SITE = Path(open_clip_train.__file__).resolve().parent.parent
 
 def test_patch_applies_cleanly_with_gnu_patch(tmp_path):
     diffs = import_hook.patches_by_module()
-    assert sorted(diffs) == sorted(import_hook.patched_modules())  # what the start-up hook watches
-    assert set(diffs) == {'open_clip.factory', 'open_clip_train.params', 'open_clip_train.data',
-                          'open_clip_train.train', 'open_clip_train.main'}
+    # what the start-up hook watches: open_clip_train only, so `import open_clip` is OpenCLIP's own
+    assert set(diffs) == _bootstrap.patched_modules(_bootstrap.patch_path())
+    assert set(diffs) == {'open_clip_train.params', 'open_clip_train.data', 'open_clip_train.train',
+                          'open_clip_train.main'}
     for module in diffs:
         relative = module.replace('.', '/') + '.py'
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -33,9 +35,11 @@ def test_patch_applies_cleanly_with_gnu_patch(tmp_path):
 def test_the_hook_runs_the_patched_sources():
     import open_clip.factory
     import open_clip_train.data
+    import open_clip_train.main
     import open_clip_train.params
     import open_clip_train.train
-    for module in (open_clip.factory, open_clip_train.params, open_clip_train.data, open_clip_train.train):
+    assert not hasattr(open_clip.factory, '__drrho_patched__')
+    for module in (open_clip_train.main, open_clip_train.params, open_clip_train.data, open_clip_train.train):
         assert module.__drrho_patched__
         assert module.__loader__.get_source() == import_hook.patched_source(
             module.__name__, Path(module.__file__).read_text(), import_hook.patches_by_module()[module.__name__])
@@ -77,6 +81,15 @@ def test_help_documents_every_plugin_flag():
         assert flag in result.stdout
     explicit = subprocess.run([sys.executable, '-m', 'drrho_openclip.train', '--help'], capture_output=True, text=True)
     assert explicit.returncode == 0 and '--ref-features' in explicit.stdout
+
+
+def test_the_explicit_entry_point_stops_where_the_package_is_not_installed(tmp_path):
+    # a checkout only put on the path: no entry point, so OpenCLIP would load no plugin and train plain CLIP
+    code = ("import importlib.metadata as m; real = m.entry_points\n"
+            "m.entry_points = lambda **selection: real(group='none such')\n"
+            "from drrho_openclip.train import main; main(['--loss', 'sogclr'])\n")
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode != 0 and 'its entry point (open_clip_train.plugins: drrho) is not registered' in result.stderr
 
 
 def openclip_help(columns: int) -> str:
@@ -132,9 +145,11 @@ def test_help_names_the_losses_that_read_each_flag_with_their_defaults():
     assert 'Losses: drrho, drrho-paper, jest, jest-topk (required)' in lines['--ref-features']
 
 
-def test_unsupported_openclip_version_stops(monkeypatch):
-    monkeypatch.setattr(importlib.metadata, 'version', lambda name: '3.4.0')
-    with pytest.raises(import_hook.PluginActivationError, match=r'supports open_clip_torch 3\.3\.x, found 3\.4\.0'):
+@pytest.mark.parametrize('version', ['3.4.0', '3.3.1'])
+def test_unsupported_openclip_version_stops(monkeypatch, version):
+    # the patch's context lines are 3.3.0's: a patch release may move them
+    monkeypatch.setattr(importlib.metadata, 'version', lambda name: version)
+    with pytest.raises(import_hook.PluginActivationError, match=rf'supports open_clip_torch 3\.3\.0, found {version}'):
         import_hook.check_openclip_version()
 
 
@@ -145,26 +160,34 @@ def test_a_patch_that_does_not_apply_stops_with_the_module_named():
         import_hook.patched_source('open_clip_train.train', source, diff)
 
 
-def test_unsupported_version_fails_the_training_entry_point(tmp_path):
-    # a fresh interpreter whose OpenCLIP claims another version: importing open_clip_train.main must fail loudly
-    code = ("import importlib.metadata as m; m.version = lambda name: '3.4.0'\n"
+def test_unsupported_version_fails_the_training_entry_point_and_leaves_open_clip_alone(tmp_path):
+    # a fresh interpreter whose OpenCLIP claims another version: importing open_clip_train.main must fail loudly,
+    # while `import open_clip` (inference, other libraries) works as without the plugin
+    code = ("import importlib.metadata as m; real = m.version\n"
+            "m.version = lambda name: '3.4.0' if name == 'open_clip_torch' else real(name)\n"
+            "import open_clip\n"
+            "print('open_clip imported:', open_clip.create_loss.__module__)\n"
             "import open_clip_train.main\n")
     result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode != 0 and 'supports open_clip_torch 3.3.x, found 3.4.0' in result.stderr
+    assert 'open_clip imported: open_clip.factory' in result.stdout, result.stderr[-2000:]
+    assert result.returncode != 0 and 'supports open_clip_torch 3.3.0, found 3.4.0' in result.stderr
+    assert result.stderr.count('supports open_clip_torch') == 1  # said once, by the import that failed
 
 
 START_UP_FILE = Path(import_hook.__file__).resolve().parent.parent / 'drrho_openclip.pth'
 
 
-def _start_up(tmp_path, package_on_path):
+def _start_up(tmp_path, package_on_path, then="print(any(type(f).__name__ == '_DeferredHook' for f in sys.meta_path))"):
     """A bare interpreter (no site-packages) that processes a site folder holding the start-up file and what an
-    editable install leaves there (drrho_openclip/patches/); the package itself is on its path or not."""
-    site_dir = tmp_path / 'site'
+    editable install leaves there (drrho_openclip/patches/), then runs `then`; the package itself is on its path or
+    not. `before` holds the modules imported up to the start-up file, a folder without it processed alike."""
+    site_dir, empty_dir = tmp_path / 'site', tmp_path / 'empty'
     (site_dir / 'drrho_openclip' / 'patches').mkdir(parents=True)
+    empty_dir.mkdir()
     shutil.copy(START_UP_FILE, site_dir)
     extra = repr(str(START_UP_FILE.parent.parent)) if package_on_path else ''
-    code = (f"import sys, site; sys.path.extend([{extra}]); site.addsitedir({str(site_dir)!r})\n"
-            "print(any(type(f).__name__ == '_PatchingFinder' for f in sys.meta_path))\n")
+    code = (f"import sys, site; sys.path.extend([{extra}]); site.addsitedir({str(empty_dir)!r})\n"
+            f"before = set(sys.modules); site.addsitedir({str(site_dir)!r})\n{then}\n")
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     return subprocess.run([sys.executable, '-S', '-c', code], capture_output=True, text=True, cwd=tmp_path, env=env)
 
@@ -177,3 +200,12 @@ def test_start_up_file_installs_the_hook(tmp_path):
 def test_start_up_file_left_behind_by_a_deleted_checkout_is_silent(tmp_path):
     result = _start_up(tmp_path, package_on_path=False)
     assert result.returncode == 0 and result.stderr == '' and result.stdout.strip() == 'False', result
+
+
+def test_start_up_imports_only_the_hook(tmp_path):
+    """Every interpreter of the environment runs the start-up file: it imports the hook's module and what that
+    needs, os and sys, which Python's start-up has already imported; OpenCLIP, the plugin's boundary package and
+    the patch reader wait for the first import of open_clip_train."""
+    result = _start_up(tmp_path, package_on_path=True, then="print(sorted(set(sys.modules) - before))")
+    assert result.returncode == 0 and result.stderr == '', result
+    assert result.stdout.strip() == "['drrho_openclip', 'drrho_openclip._bootstrap']"

@@ -1,20 +1,22 @@
-"""The import hook that applies `patches/open_clip-3.3.0-plugin-api.patch` to OpenCLIP.
+"""The import hook that applies `patches/open_clip-3.3.0-plugin-api.patch` to OpenCLIP's training package.
 
 The patch adds a small plugin API to open_clip_train (see `drrho_openclip.openclip` for the hooks it calls).
 Installed OpenCLIP files are never edited: when Python imports one of the modules the patch names, the hook applies
 that file's hunks to the source in memory, the way pytest rewrites asserts. The patch is the single source of
 truth (of the hunks and of which modules are patched), and it applies exactly or the import fails with a clear
-message. Installing the hook is cheap (it reads the patch's file names only): it runs in every interpreter.
+message. The interpreter start-up hook (`drrho_openclip._bootstrap`) installs this one at the first import of a
+patched module.
 """
 import importlib.abc
 import importlib.machinery
 import linecache
 import sys
 from pathlib import Path
-from typing import List
 
-SUPPORTED_OPENCLIP = (3, 3)
-PATCH_FILE = 'open_clip-3.3.0-plugin-api.patch'
+from .. import _bootstrap
+
+SUPPORTED_OPENCLIP = '3.3.0'  # the patch's context lines are this release's, line for line
+PATCH_FILE = _bootstrap.PATCH_FILE
 
 
 class PluginActivationError(ImportError):
@@ -23,29 +25,17 @@ class PluginActivationError(ImportError):
 
 def patch_path() -> Path:
     """The patch shipped in the wheel (drrho_openclip/patches/) or, in a source checkout, the repo's patches/."""
-    package = Path(__file__).resolve().parent.parent
-    for candidate in (package / 'patches' / PATCH_FILE, package.parent / 'patches' / PATCH_FILE):
-        if candidate.is_file():
-            return candidate
-    raise PluginActivationError(f"drrho-openclip: {PATCH_FILE} is missing from the installation; reinstall it")
-
-
-def _module_name(path: str) -> str:
-    """'b/open_clip_train/train.py' -> 'open_clip_train.train'."""
-    path = path.removeprefix('b/')
-    return path.removesuffix('.py').replace('/', '.')
-
-
-def patched_modules() -> List[str]:
-    """The modules the patch changes, read from its '+++ b/<file>' headers (no diff parsing)."""
-    with open(patch_path(), encoding='utf-8') as patch:
-        return [_module_name(line[4:].split('\t')[0].strip()) for line in patch if line.startswith('+++ ')]
+    path = _bootstrap.patch_path()
+    if path is None:
+        raise PluginActivationError(f"drrho-openclip: {PATCH_FILE} is missing from the installation; reinstall it")
+    return Path(path)
 
 
 def patches_by_module() -> dict:
     """{'open_clip_train.train': <whatthepatch diff>, ...} for every file the patch touches."""
     import whatthepatch
-    return {_module_name(diff.header.new_path): diff for diff in whatthepatch.parse_patch(patch_path().read_text())}
+    diffs = whatthepatch.parse_patch(patch_path().read_text())
+    return {_bootstrap.module_name(diff.header.new_path): diff for diff in diffs}
 
 
 def check_openclip_version():
@@ -54,10 +44,10 @@ def check_openclip_version():
         version = importlib.metadata.version('open_clip_torch')
     except importlib.metadata.PackageNotFoundError:
         raise PluginActivationError("drrho-openclip: open_clip_torch is not installed") from None
-    if tuple(int(v) for v in version.split('.')[:2]) != SUPPORTED_OPENCLIP:
+    if version != SUPPORTED_OPENCLIP:
         raise PluginActivationError(
-            f"drrho-openclip supports open_clip_torch {'.'.join(map(str, SUPPORTED_OPENCLIP))}.x, found {version}: "
-            f"install open_clip_torch=={'.'.join(map(str, SUPPORTED_OPENCLIP))}.* or uninstall drrho-openclip")
+            f"drrho-openclip supports open_clip_torch {SUPPORTED_OPENCLIP}, found {version}: "
+            f"install open_clip_torch=={SUPPORTED_OPENCLIP} or uninstall drrho-openclip")
     return version
 
 
@@ -113,20 +103,30 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install_import_hook():
-    """Idempotent. Fails if a module to patch was already imported unpatched (the hook came too late)."""
-    if any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
-        return
-    modules = patched_modules()
+def install_import_hook() -> _PatchingFinder:
+    """Idempotent; returns the hook. Fails if a module to patch was already imported unpatched (the hook came too
+    late)."""
+    for finder in sys.meta_path:
+        if isinstance(finder, _PatchingFinder):
+            return finder
+    modules = _bootstrap.patched_modules(patch_path())
     too_late = [m for m in modules if m in sys.modules and not hasattr(sys.modules[m], '__drrho_patched__')]
-    sys.meta_path.insert(0, _PatchingFinder(modules))
+    finder = _PatchingFinder(modules)
+    sys.meta_path.insert(0, finder)
     if too_late:
-        raise PluginActivationError(f"drrho-openclip: {', '.join(too_late)} was imported before the plugin hook; "
-                                    f"import drrho_openclip.openclip first (or run `python -m drrho_openclip.train`)")
+        raise PluginActivationError(f"drrho-openclip: {', '.join(sorted(too_late))} was imported before the plugin "
+                                    f"hook; import drrho_openclip.openclip first (or run `python -m drrho_openclip.train`)")
+    return finder
 
 
 def openclip_main(argv) -> int:
-    """OpenCLIP's training entry point (`open_clip_train.main.main`) with the hook installed first."""
+    """OpenCLIP's training entry point (`open_clip_train.main.main`) with the hook installed first. OpenCLIP finds
+    the plugin by its entry point: a checkout that is on the path but not installed has none, and would train plain
+    CLIP with `--loss` read as OpenCLIP's `--loss-dist-impl`."""
+    import importlib.metadata
+    if not importlib.metadata.entry_points(group='open_clip_train.plugins', name='drrho'):
+        raise PluginActivationError("drrho-openclip: its entry point (open_clip_train.plugins: drrho) is not "
+                                    "registered; install the package (`pip install -e .` for a checkout)")
     install_import_hook()
     from open_clip_train.main import main
     return main(argv)
