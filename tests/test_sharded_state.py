@@ -411,6 +411,28 @@ def test_shard_sets_of_deleted_checkpoints_are_removed(tmp_path):
                                                       'other.loss_state']
 
 
+def test_a_killed_save_and_a_dangling_link_do_not_keep_the_sets_of_deleted_checkpoints(tmp_path, caplog):
+    """OpenCLIP's tmp.pt of a save killed while writing epoch_latest.pt, and a link to a deleted checkpoint, kept
+    every set from then on (a set per epoch, 8 bytes a sample each); another unreadable file keeps them, and says
+    so."""
+    from drrho_openclip.openclip.checkpoints import remove_unreferenced_shard_sets
+    root = tmp_path / 'checkpoints'
+    for name in ('epoch_1.loss_state', 'epoch_2.loss_state', 'epoch_3.loss_state'):
+        (root / name).mkdir(parents=True)
+    (root / 'epoch_3.pt').write_bytes(b'')
+    (root / 'tmp.pt').write_bytes(b'half a checkpoint')
+    (root / 'best.pt').symlink_to(root / 'epoch_1.pt')  # epoch_1.pt deleted by --delete-previous-checkpoint
+    remove_unreferenced_shard_sets(root, 3, [str(root / 'epoch_3.pt')])
+    assert sorted(p.name for p in root.glob('*.loss_state')) == ['epoch_3.loss_state']
+    (root / 'epoch_2.loss_state').mkdir()  # no checkpoint names it, but one that cannot be read might
+    (root / 'epoch_4.loss_state').mkdir()
+    (root / 'notes.pt').write_bytes(b'not a checkpoint')
+    remove_unreferenced_shard_sets(root, 4, [str(root / 'epoch_4.pt')])
+    assert sorted(p.name for p in root.glob('*.loss_state')) == ['epoch_2.loss_state', 'epoch_3.loss_state',
+                                                                 'epoch_4.loss_state']
+    assert f"'{root / 'notes.pt'}' cannot be read, so every per-sample state set" in caplog.text
+
+
 def test_a_run_that_does_not_shard_removes_the_sets_of_a_sharded_checkpoint_it_resumed(tmp_path):
     from types import SimpleNamespace
     from drrho_openclip.openclip.checkpoints import checkpoints_saved
@@ -438,3 +460,45 @@ def test_a_shard_set_saved_again_replaces_the_first(tmp_path):
     saved = load_state_shards(build('isogclr', layout='sharded'), str(directory), second)
     for key, value in tables(loss).items():
         torch.testing.assert_close(saved[key], value, rtol=0, atol=0, equal_nan=True)
+
+
+def node_local_folders(rank, world_size, root, what):
+    """Each rank lists a checkpoint folder of its own: rank 1's holds only epoch 1, as a node-local --logs, or a
+    shared folder's stale listing under load, shows it."""
+    from types import SimpleNamespace
+    from drrho_openclip.openclip.checkpoints import check_checkpoint_folder_shared, check_resumed_loss
+    folder = Path(root) / f'rank{rank}' / 'checkpoints'
+    args = SimpleNamespace(rank=rank, world_size=world_size, distributed=True, device='cpu', train_data=None,
+                           dataset_type='auto', logs=str(Path(root) / f'rank{rank}'), checkpoint_path=str(folder),
+                           resume=str(folder / 'epoch_1.pt'))
+    if what == 'resume latest':
+        check_resumed_loss(None, SimpleNamespace(resume_latest=True, loss_name='clip'), args)
+        return args.resume
+    try:
+        check_checkpoint_folder_shared(args, torch.device('cpu'))
+    except SystemExit as e:
+        return str(e)
+    return 'passed'
+
+
+def _node_local(tmp_path, what):
+    for rank, epochs in ((0, (1, 2)), (1, (1,))):
+        folder = tmp_path / f'rank{rank}' / 'checkpoints'
+        folder.mkdir(parents=True)
+        for epoch in epochs:
+            torch.save({'epoch': epoch, 'state_dict': {}}, folder / f'epoch_{epoch}.pt')
+    return on_gloo_ranks(functools.partial(node_local_folders, root=str(tmp_path), what=what), 2, tmp_path)
+
+
+def test_resume_latest_resumes_rank_0s_pick_on_every_rank(tmp_path):
+    # each rank picked from its own listing: rank 0 resumed epoch 2, rank 1 epoch 1, and they trained apart
+    assert _node_local(tmp_path, 'resume latest') == [str(tmp_path / 'rank0' / 'checkpoints' / 'epoch_2.pt')] * 2
+
+
+def test_sharded_state_stops_at_start_up_where_ranks_do_not_share_the_checkpoint_folder(tmp_path):
+    # each rank writes its block of the state next to rank 0's checkpoints: this failed at the first save
+    expected = [f"drrho-openclip: 1 of 2 ranks do not see the checkpoint folder '{tmp_path / f'rank{rank}' / 'checkpoints'}' "
+                "that rank 0 writes, and with the per-sample state sharded every rank writes its block there: give "
+                "--logs a folder every node shares, or --state-layout replicated" for rank in (0, 1)]
+    assert _node_local(tmp_path, 'shared folder') == expected
+    assert not list((tmp_path / 'rank0' / 'checkpoints').glob('.drrho*'))  # the mark is gone

@@ -14,12 +14,16 @@ import logging
 import os
 import re
 import shutil
+import socket
+import time
+import uuid
 from pathlib import Path
 
 import torch
 
 from ..losses import (ATTACHED_PREFIX, TEACHER_SCALE_STATE_KEY, attached_names, load_state_shards, per_sample_tables,
                       save_state_shards)
+from ..losses.collectives import all_reduce, broadcast_object
 from .flags import CHOSEN_BY_THE_RUN, csv_fingerprint_as_written, flag, trains
 from .run import Run
 
@@ -58,8 +62,11 @@ def check_resumed_loss(loss, run: Run, args):
     --loss or other state flags, whose optimizer groups and state differ too, which torch reports without the
     cause. So does one whose per-sample state is of other samples (`_stop_on_another_run`). Local files here; a remote
     checkpoint is read once, by OpenCLIP, and its loss state checked when it arrives (`resolve_loss_state`)."""
-    if run.resume_latest and (not args.resume or os.path.isfile(args.resume)):  # a remote one: OpenCLIP's pick
-        _resume_the_newest_complete_checkpoint(Path(args.checkpoint_path), args)
+    if run.resume_latest:
+        # rank 0's pick on every rank, as OpenCLIP broadcasts its own: ranks may list a shared folder differently
+        # (a stale listing under load), and ranks that resume different epochs train apart until a save fails
+        pick = _newest_complete_checkpoint(Path(args.checkpoint_path), args) if args.rank == 0 else None
+        args.resume = broadcast_object(pick, args.world_size, torch.device(args.device))
     if not args.resume or not os.path.isfile(args.resume):
         return
     loss_name = run.loss_name
@@ -94,13 +101,16 @@ def check_resumed_loss(loss, run: Run, args):
     check_loss_state(checkpoint.get('loss_state') or {}, loss, run, args, weights)
 
 
-def _resume_the_newest_complete_checkpoint(folder: Path, args):
-    """`--resume latest` from the newest complete checkpoint of the run (every rank, before the checkpoint is read).
+def _newest_complete_checkpoint(folder: Path, args):
+    """What `--resume latest` resumes: the newest complete checkpoint of the run (rank 0, before the checkpoint is
+    read), or OpenCLIP's pick where that is remote (--remote-sync).
     OpenCLIP's pick can be another: with --save-most-recent it is epoch_latest.pt, which a save killed while writing
     it (through tmp.pt) leaves an epoch behind epoch_N.pt, and without which the run starts from scratch over the
     epochs there; without it, the last *.pt by name, where a stale epoch_latest.pt of an earlier run comes before
     later epochs and a tmp.pt left by a killed save before everything. Every epoch_N.pt and epoch_latest.pt is
     whole (written to a temporary name, then renamed); tmp.pt never is."""
+    if args.resume and not os.path.isfile(args.resume):  # a remote one: OpenCLIP's pick
+        return args.resume
     complete = [(int(m.group(1)), path) for path in folder.glob('epoch_*.pt')
                 for m in [EPOCH_CHECKPOINT.fullmatch(path.name)] if m]
     latest = folder / 'epoch_latest.pt'
@@ -114,7 +124,43 @@ def _resume_the_newest_complete_checkpoint(folder: Path, args):
                         f"older than the epochs there, or none with --save-most-recent)" if newest else
                         f"drrho-openclip: --resume latest starts from scratch: the run has no complete checkpoint, "
                         f"and OpenCLIP picked '{args.resume}', left by a save that did not finish")
-        args.resume = newest
+    return newest
+
+
+def check_checkpoint_folder_shared(args, device: torch.device):
+    """Sharded state (every rank calls this): each rank writes its block next to rank 0's checkpoints, which OpenCLIP
+    alone never needs, so a --logs folder local to each node passed its start-up and failed at the first save, after
+    an epoch of training. Rank 0 leaves a mark in the checkpoint folder; every rank must see it."""
+    if not args.logs or args.logs.lower() == 'none' or args.world_size == 1:
+        return
+    folder = Path(args.checkpoint_path)
+    mark = folder / f".drrho-openclip-shared-{broadcast_object(uuid.uuid4().hex, args.world_size, device)}"
+    written = True
+    if args.rank == 0:
+        try:
+            mark.touch()
+        except OSError as e:
+            written = False
+            logging.error(f"drrho-openclip: cannot write in the checkpoint folder '{folder}': {e}")
+    # the mark is there (or rank 0 failed) before any rank looks: the all-reduce is also the barrier
+    if all_reduce(torch.tensor([int(not written)], device=device), args.world_size, device).item():
+        raise SystemExit(f"drrho-openclip: rank 0 cannot write in the checkpoint folder '{folder}'")
+    seen = mark.exists()
+    for _ in range(5):  # a network file system may show a new file to other hosts a moment later
+        if seen:
+            break
+        time.sleep(1)
+        seen = mark.exists()
+    if not seen:
+        logging.error(f"drrho-openclip: rank {args.rank} (host {socket.gethostname()}) does not see the checkpoint "
+                      f"folder '{folder}' that rank 0 writes")
+    unseen = int(all_reduce(torch.tensor([int(not seen)], device=device), args.world_size, device).item())
+    if args.rank == 0:
+        mark.unlink(missing_ok=True)
+    if unseen:
+        raise SystemExit(f"drrho-openclip: {unseen} of {args.world_size} ranks do not see the checkpoint folder "
+                         f"'{folder}' that rank 0 writes, and with the per-sample state sharded every rank writes its "
+                         f"block there: give --logs a folder every node shares, or --state-layout replicated")
 
 
 def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
@@ -283,17 +329,20 @@ def remove_unreferenced_shard_sets(root: Path, completed_epoch: int, checkpoint_
     """Remove from `root` the leftovers of interrupted saves and the shard sets no checkpoint refers to:
     epoch_N.loss_state is kept while epoch_N.pt exists (--delete-previous-checkpoint removes it) or while another
     checkpoint (epoch_latest.pt) names it; the files written this epoch (`checkpoint_files`) name this epoch's set.
-    An unreadable checkpoint keeps every set."""
+    OpenCLIP's tmp.pt (never a whole checkpoint) and links to removed files name none; any other unreadable *.pt
+    keeps every set, and says so."""
     sets = [path for path in root.iterdir() if SHARD_SET.fullmatch(path.name) and path.is_dir()]
     if not sets:  # no checkpoint is read: the usual case of a run that does not shard
         return
     written = {Path(f).name for f in checkpoint_files}
     referenced = {f'epoch_{completed_epoch}{SHARD_SET_SUFFIX}'}
     for path in root.glob('*.pt'):
-        if EPOCH_CHECKPOINT.fullmatch(path.name) or path.name in written:
+        if EPOCH_CHECKPOINT.fullmatch(path.name) or path.name in written or path.name == 'tmp.pt' or not path.exists():
             continue
         shard_set = _shard_set_of(path)
         if shard_set is None:
+            logging.warning(f"drrho-openclip: '{path}' cannot be read, so every per-sample state set in '{root}' is "
+                            f"kept (it may name one): move it away, and sets no checkpoint names go at the next save")
             return
         referenced.add(shard_set)
     for path in sets:

@@ -9,7 +9,7 @@ import torch
 from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveLoss, LogitScaleTemperature,
                       attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec,
                       inactive_options, rho_for_batch)
-from .checkpoints import check_resumed_loss
+from .checkpoints import check_checkpoint_folder_shared, check_resumed_loss
 from .flags import trains
 from .reference import OnlineReference
 from .run import Run
@@ -81,6 +81,7 @@ def configure_model(run: Run, model, args):
         if sharding.sharded:
             logging.info(f"drrho-openclip: per-sample state sharded over {args.world_size} ranks, "
                          f"{sharding.size} of {sharding.num_samples} rows on rank {args.rank}")
+            check_checkpoint_folder_shared(args, device)
     attached = attach_to_model(model, loss)
     if attached:
         logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
