@@ -692,7 +692,8 @@ def test_loss_clip_through_the_plugin_is_openclips_own_run(shapes, tmp_path):
     run_openclip(train_args(shapes, tmp_path, 'plugin', '--loss', 'clip', epochs=2))
     # the same run on unpatched OpenCLIP: drop the import hook before open_clip_train is imported
     stock = ("import sys, runpy\n"
-             "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ not in ('_DeferredHook', '_PatchingFinder')]\n"
+             "hooks = ('_DeferredHook', '_PatchingFinder')\n"
+             "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ not in hooks]\n"
              "sys.argv = ['main'] + sys.argv[1:]\n"
              "runpy.run_module('open_clip_train.main', run_name='__main__')\n"
              "print('patched modules:', [n for n, m in list(sys.modules.items()) if '__drrho_patched__' in vars(m)])\n")

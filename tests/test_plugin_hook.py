@@ -89,7 +89,8 @@ def test_the_explicit_entry_point_stops_where_the_package_is_not_installed(tmp_p
             "m.entry_points = lambda **selection: real(group='none such')\n"
             "from drrho_openclip.train import main; main(['--loss', 'sogclr'])\n")
     result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode != 0 and 'its entry point (open_clip_train.plugins: drrho) is not registered' in result.stderr
+    assert result.returncode != 0
+    assert 'its entry point (open_clip_train.plugins: drrho) is not registered' in result.stderr
 
 
 def openclip_help(columns: int) -> str:

@@ -497,8 +497,9 @@ def test_resume_latest_resumes_rank_0s_pick_on_every_rank(tmp_path):
 
 def test_sharded_state_stops_at_start_up_where_ranks_do_not_share_the_checkpoint_folder(tmp_path):
     # each rank writes its block of the state next to rank 0's checkpoints: this failed at the first save
-    expected = [f"drrho-openclip: 1 of 2 ranks do not see the checkpoint folder '{tmp_path / f'rank{rank}' / 'checkpoints'}' "
-                "that rank 0 writes, and with the per-sample state sharded every rank writes its block there: give "
-                "--logs a folder every node shares, or --state-layout replicated" for rank in (0, 1)]
+    expected = [f"drrho-openclip: 1 of 2 ranks do not see the checkpoint folder "
+                f"'{tmp_path / f'rank{rank}' / 'checkpoints'}' that rank 0 writes, and with the per-sample state "
+                "sharded every rank writes its block there: give --logs a folder every node shares, or "
+                "--state-layout replicated" for rank in (0, 1)]
     assert _node_local(tmp_path, 'shared folder') == expected
     assert not list((tmp_path / 'rank0' / 'checkpoints').glob('.drrho*'))  # the mark is gone

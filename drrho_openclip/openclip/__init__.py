@@ -89,8 +89,8 @@ def configure_model(model, args) -> None:
 
 
 def create_loss(args) -> Optional[TrainingLoss]:
-    """open_clip_train.main, before OpenCLIP's own create_loss: the loss configure_model built, or None for plain `--loss clip` (OpenCLIP
-    then builds its own loss exactly as without the plugin)."""
+    """open_clip_train.main, before OpenCLIP's own create_loss: the loss configure_model built, or None for plain
+    `--loss clip` (OpenCLIP then builds its own loss exactly as without the plugin)."""
     from . import run
     from .model import create_loss
     return create_loss(run.active(), args)

@@ -115,7 +115,8 @@ def install_import_hook() -> _PatchingFinder:
     sys.meta_path.insert(0, finder)
     if too_late:
         raise PluginActivationError(f"drrho-openclip: {', '.join(sorted(too_late))} was imported before the plugin "
-                                    f"hook; import drrho_openclip.openclip first (or run `python -m drrho_openclip.train`)")
+                                    f"hook; import drrho_openclip.openclip first (or run `python -m "
+                                    f"drrho_openclip.train`)")
     return finder
 
 
