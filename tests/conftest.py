@@ -174,11 +174,11 @@ def assert_same(a, b, **tol):
 SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
 
 
-def assert_equivalent_runs(a, b, prefix=''):
+def assert_equivalent_runs(a, b, prefix='', atol=1e-5):
     """Two runs' checkpoints (model and the loss's state) equal to float32 rounding."""
     import torch
     for key, value in a['state_dict'].items():
-        assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=1e-5)
+        assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=atol)
     a_state, b_state = loss_tensors(a), loss_tensors(b)
     assert a_state.keys() == b_state.keys()  # none for a loss without state
     for key in a_state:

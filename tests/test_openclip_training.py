@@ -448,7 +448,11 @@ def test_two_ranks_accumulating_gradients_equal_one_rank_with_the_large_batch(sh
     run_openclip(train_args(shapes, tmp_path, 'two', *loss, *SGD, '--local-loss', '--gather-with-grad',
                             '--accum-freq', '2', batch_size=2, epochs=2), nproc=2)
     one = checkpoint(tmp_path, 'one', 2)
-    assert_equivalent_runs(one, checkpoint(tmp_path, 'two', 2), prefix='module.')
+    # balanced: each of its k Sinkhorn half-steps normalises by sums that two ranks add in another order, and the
+    # float32 rounding it amplifies reaches 2·10⁻⁵ in a few weights (its float64 test holds two ranks to one at 1e-9,
+    # test_losses_distributed); a rank's missing or doubled share would move weights by the training's 10⁻³
+    atol = 3e-5 if name == 'balanced' else 1e-5
+    assert_equivalent_runs(one, checkpoint(tmp_path, 'two', 2), prefix='module.', atol=atol)
     assert_training_moved(checkpoint(tmp_path, 'one', 1), one)
 
 

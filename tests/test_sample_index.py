@@ -229,6 +229,27 @@ def test_sample_index_is_refused_for_csv_input(shapes, index, capsys):
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize('samples, batch, accum', [(65, 3, 1), (70, 2, 3)])
+def test_every_step_has_the_one_process_global_batch_at_any_world_size(samples, batch, accum):
+    """CSV and synthetic input: rank r's block of each window, gathered in rank order, is the one process's global
+    batch, sample for sample (what is chosen from the first batch's first anchors depends on their order), and no
+    rank trains on a repeated sample or a step more (DistributedSampler padded the epoch: 65 samples at a global batch
+    of 6 gave two ranks 11 steps, one process 10)."""
+    from drrho_openclip.openclip.loaders import GlobalBatchSampler
+    rows = batch * accum  # a rank's rows per optimiser step
+    for epoch in (0, 1):
+        one = GlobalBatchSampler(range(samples), 1, 0, 5, 2 * rows)
+        ranks = [GlobalBatchSampler(range(samples), 2, rank, 5, rows) for rank in range(2)]
+        for sampler in (one, *ranks):
+            sampler.set_epoch(epoch)
+        blocks = [list(sampler) for sampler in ranks]
+        gathered = [sample for step in range(len(blocks[0]) // rows) for block in blocks
+                    for sample in block[step * rows:(step + 1) * rows]]
+        assert gathered == list(one) and len(set(gathered)) == len(gathered)
+        assert len(gathered) == samples // (2 * rows) * 2 * rows and len(one) == len(gathered)
+        assert [len(sampler) for sampler in ranks] == [len(gathered) // 2] * 2
+
+
 @pytest.mark.parametrize('seed', [0, 123_456_789])
 def test_a_map_style_sample_draws_the_same_augmentation_whatever_the_seed(seed):
     """A CSV sample's augmentation is seeded by (--seed, epoch, index): reproducible, for any --seed, whichever

@@ -81,15 +81,36 @@ def _with_sample_extras(run: Run, data: dict, args) -> dict:
     if not isinstance(dataset, (CsvDataset, SyntheticDataset)):
         return data
     store = run.reference_store  # checked against the data at start-up (flags.py)
-    # always a seeded DistributedSampler (one replica when not distributed), so that each epoch's order is a
-    # function of (seed, epoch): exact resume, equal across world sizes
-    sampler = DistributedSampler(dataset, num_replicas=args.world_size, rank=args.rank, shuffle=True, seed=args.seed)
+    sampler = GlobalBatchSampler(dataset, args.world_size, args.rank, args.seed, args.batch_size * args.accum_freq)
     loader = DataLoader(WithSampleExtras(dataset, sampler, args.seed), batch_size=args.batch_size,
                         num_workers=args.workers, pin_memory=info.dataloader.pin_memory, sampler=sampler,
                         drop_last=True, collate_fn=None if store is None else CollateWithReferenceFeatures(store))
     loader.num_samples, loader.num_batches = info.dataloader.num_samples, len(loader)
     data['train'] = DataInfo(loader, sampler)
     return data
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """Each epoch's order is a function of (seed, epoch), for exact resume (also with one process), and every step's
+    global batch holds the same samples in the same order at any world size: the epoch's permutation is cut into
+    windows of W blocks of `rows` (batch × accum_freq), and rank r takes the r-th block of each, so the global batch
+    gathered in rank order is the one process's batch. DistributedSampler deals the permutation round-robin
+    instead: the same samples per step, in another order, which changed what is chosen from the first anchors of
+    the first batch ('auto' τ and teacher scale above batch 512), and padded the epoch with repeated samples to a
+    multiple of W (a step more than one process where N mod (W × batch) > W × (batch − 1)). A last incomplete window
+    is left out, as one process leaves out its last incomplete batch."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, rows: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.rows = rows
+        self.num_samples = len(dataset) // (rows * num_replicas) * rows
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self):
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation
+        order = torch.randperm(len(self.dataset), generator=generator)[:self.total_size]
+        return iter(order.view(-1, self.num_replicas, self.rows)[:, self.rank].reshape(-1).tolist())
 
 
 class WithSampleExtras(Dataset):
