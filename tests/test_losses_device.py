@@ -71,6 +71,48 @@ def test_to_moves_every_table_and_a_call_runs_there(case):
     assert all(t.device == META for t in dict(loss.named_buffers()).values())
 
 
+class _HostValuesWritten(TorchDispatchMode):
+    """Writes of a tensor made on the host into one on the device: on an accelerator, torch copies such a value with
+    a blocking copy (a stream synchronisation; `available[pick] = False` is one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        value = {torch.ops.aten.index_put_: 2, torch.ops.aten.index_put: 2, torch.ops.aten.copy_: 1}.get(
+            func.overloadpacket)
+        if value is not None and isinstance(args[value], torch.Tensor) and args[value].device.type == 'cpu' \
+                and args[0].device != args[value].device:
+            self.writes.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# the losses whose forward runs on a CUDA device that FakeTensorMode makes up (the others query the CUDA runtime)
+FORWARD_ON_FAKE_CUDA = ['balanced', 'clip', 'clip+kd', 'jest', 'jest-topk']
+
+
+@pytest.mark.parametrize('case', FORWARD_ON_FAKE_CUDA)
+def test_a_step_writes_no_host_value_into_the_device(case, monkeypatch):
+    """A forward after the first (which makes the 'auto' choices once) on a made-up CUDA device: torch makes a
+    Python scalar written into a CUDA tensor on the host (on the meta device it would not show). JEST wrote each
+    chunk's picks so, a stream synchronisation per chunk and step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from drrho_openclip.losses import passes
+    monkeypatch.setattr(passes, 'compiles_for', lambda device: False)  # no Triton to compile for here
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cuda = torch.device('cuda')
+        loss = build(case).to(cuda)
+        image, text, ref_image, ref_text = batch(cuda)
+        logit_scale = torch.tensor(20.0, device=cuda, requires_grad=True)
+        index = torch.arange(6, device=cuda)
+        for step in range(2):
+            with _HostValuesWritten() as seen:
+                loss(image, text, logit_scale, index=index, ref_image_features=ref_image,
+                     ref_text_features=ref_text, output_dict=True)
+    assert seen.writes == []
+
+
 def test_a_loss_left_on_the_host_says_so():
     # not moved: its tables are on the CPU, the features elsewhere (a fixed τ: the table is the first thing read)
     loss = build('drrho', temperature=0.01, learn_temperature=False)

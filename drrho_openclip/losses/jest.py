@@ -107,9 +107,11 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                 if chunk == 0 or not self.topk:
                     scores = scores + self._gumbel(scores, chunk)
                 pick = scores.masked_fill(~available, float('-inf')).topk(size).indices
-                available[pick] = False
                 picks.append(pick)
                 if chunk + 1 < len(sizes):
+                    # not `available[pick] = False`: torch makes that False on the host, and copying it to an
+                    # accelerator waits for the device
+                    available.index_fill_(0, pick, False)
                     # the chunk just drawn, on every rank, joins the set the next chunks are conditioned on
                     dims = [f.shape[1] for f in features]
                     new = gather_batch(torch.cat([f[pick] for f in features], dim=1), self.world_size, with_grad=False,
