@@ -21,7 +21,7 @@ plugin wraps:
 
 - without: `--loss clip` (no plugin wrapping: OpenCLIP's stock CSV loader with a RandomSampler, or its WebDataset
   pipeline);
-- with: `--loss drrho --ref-features DIR` (the plugin's loaders: for CSV a seeded DistributedSampler and a dataset
+- with: `--loss drrho --ref-features DIR` (the plugin's loaders: for CSV a seeded GlobalBatchSampler and a dataset
   whose augmentation is seeded per sample under `torch.random.fork_rng` (the CPU generator only), plus the sample
   index; for WebDataset the same pipeline plus a lookup of the index by shard name and `__key__`; both add the
   batch's features from the store once it is collated, in the loader workers);

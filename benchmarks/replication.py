@@ -471,7 +471,7 @@ _CACHE = {}
 
 def _worker_init(log_file, threads):
     from drrho_openclip.openclip import install_import_hook
-    install_import_hook()  # before anything imports open_clip
+    install_import_hook()  # before anything imports open_clip_train
     import torch
 
     class FusedAdamW(torch.optim.AdamW):

@@ -332,3 +332,18 @@ def test_an_online_reference_runs_under_the_runs_autocast(shapes, precision, dty
     tokens = open_clip.get_tokenizer(shapes['model'])(['a red square'])
     image_features, text_features = reference(torch.zeros(1, 3, 32, 32), tokens)
     assert image_features.dtype == text_features.dtype == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize('data, checked', [(('--dataset-type', 'synthetic', '--train-num-samples', 16), True),
+                                           (('--val-data', 'val.csv'), False)])
+def test_a_sharded_run_checks_that_its_ranks_share_the_checkpoint_folder_when_it_trains(shapes, monkeypatch, data,
+                                                                                        checked):
+    """Each rank writes its block of the state next to rank 0's checkpoints; an evaluation writes none, so it does
+    not ask every rank to see the folder (`check_checkpoint_folder_shared`, tested on two ranks elsewhere)."""
+    from drrho_openclip.openclip import model as setup
+    calls = []
+    monkeypatch.setattr(setup, 'check_checkpoint_folder_shared', lambda args, device: calls.append(device))
+    args = parse('--model', shapes['model'], *data, '--loss', 'sogclr', '--gamma', '0.5', '--state-layout', 'sharded')
+    args.world_size = 2  # rank 0 of two: the state is sharded
+    plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
+    assert calls == ([torch.device('meta')] if checked else [])

@@ -390,22 +390,32 @@ def test_resume_latest_takes_the_newest_complete_checkpoint_over_what_openclip_p
     assert checkpoint(tmp_path, 'fresh', 1)['epoch'] == 1
 
 
-def test_the_resumed_per_sample_state_is_not_kept_beside_the_loss(shapes, tmp_path):
-    """The checkpoint's copy of the per-sample tables is dropped once the loss holds them: it stayed in host memory
-    for the whole run (8 bytes a sample for u, 32 for isogclr's tables, on every rank)."""
+def test_the_resumed_checkpoint_is_not_kept_beside_the_model_and_the_loss(shapes, tmp_path):
+    """The checkpoint's copy of the per-sample tables is dropped once the loss holds them, and of the model's weights
+    once they are loaded: they stayed in host memory for the whole run (the per-sample tables: 8 bytes a sample for
+    u, 32 for isogclr's, on every rank). The optimizer keeps the tensors of its state it loads, in use."""
     run_openclip(train_args(shapes, tmp_path, 'run', *loss_args(shapes, 'isogclr'), epochs=1))
     watch = ("import gc, runpy, sys, weakref\n"
              "import torch\n"
              "from drrho_openclip.openclip import checkpoints\n"
-             "resolve, save, resumed = checkpoints.resolve_loss_state, checkpoints.checkpoint_loss_state, []\n"
-             "def resolve_and_watch(run, loss, state, args):\n"
-             "    resumed.extend(weakref.ref(v) for v in state.values() if isinstance(v, torch.Tensor))\n"
-             "    return resolve(run, loss, state, args)\n"
+             "from open_clip_train import file_utils\n"
+             "from torch.utils._pytree import tree_leaves\n"
+             "load, resolve = file_utils.pt_load, checkpoints.resolve_loss_state\n"
+             "save, resumed = checkpoints.checkpoint_loss_state, []\n"
+             "def watch(tree):\n"
+             "    resumed.extend(weakref.ref(v) for v in tree_leaves(tree) if isinstance(v, torch.Tensor))\n"
+             "    return tree\n"
+             "def load_and_watch(*args, **kwargs):\n"
+             "    checkpoint = load(*args, **kwargs)\n"
+             "    watch(checkpoint['state_dict'])  # the model's weights\n"
+             "    return checkpoint\n"
+             "file_utils.pt_load = load_and_watch\n"
+             "checkpoints.resolve_loss_state = lambda run, loss, state, args: resolve(run, loss, watch(state), args)\n"
              "def save_and_count(run, loss, state, *rest):\n"
              "    gc.collect()\n"
              "    print('resumed tensors alive:', sum(r() is not None for r in resumed), 'of', len(resumed))\n"
              "    return save(run, loss, state, *rest)\n"
-             "checkpoints.resolve_loss_state, checkpoints.checkpoint_loss_state = resolve_and_watch, save_and_count\n"
+             "checkpoints.checkpoint_loss_state = save_and_count\n"
              "sys.argv = ['main'] + sys.argv[1:]\n"
              "runpy.run_module('open_clip_train.main', run_name='__main__')\n")
     args = train_args(shapes, tmp_path, 'run', *loss_args(shapes, 'isogclr'), '--resume', 'latest', epochs=2)
@@ -449,8 +459,8 @@ def test_two_ranks_accumulating_gradients_equal_one_rank_with_the_large_batch(sh
                             '--accum-freq', '2', batch_size=2, epochs=2), nproc=2)
     one = checkpoint(tmp_path, 'one', 2)
     # balanced: each of its k Sinkhorn half-steps normalises by sums that two ranks add in another order, and the
-    # float32 rounding it amplifies reaches 2·10⁻⁵ in a few weights (its float64 test holds two ranks to one at 1e-9,
-    # test_losses_distributed); a rank's missing or doubled share would move weights by the training's 10⁻³
+    # float32 rounding it amplifies reaches 2·10⁻⁵ in a few weights (its float64 test holds two ranks to one at
+    # 1e-9, test_losses_distributed); a rank's missing or doubled share would move weights by the training's 10⁻³
     atol = 3e-5 if name == 'balanced' else 1e-5
     assert_equivalent_runs(one, checkpoint(tmp_path, 'two', 2), prefix='module.', atol=atol)
     assert_training_moved(checkpoint(tmp_path, 'one', 1), one)

@@ -210,3 +210,32 @@ def test_start_up_imports_only_the_hook(tmp_path):
     result = _start_up(tmp_path, package_on_path=True, then="print(sorted(set(sys.modules) - before))")
     assert result.returncode == 0 and result.stderr == '', result
     assert result.stdout.strip() == "['drrho_openclip', 'drrho_openclip._bootstrap']"
+
+
+def test_start_up_file_patches_open_clip_train_at_its_first_import(tmp_path):
+    # the deferred hook hands the first import to the import hook, which patches it and what follows
+    result = _start_up(tmp_path, package_on_path=True, then=(
+        f"sys.path.append({str(SITE)!r})\n"
+        "import open_clip_train.params, open_clip_train.main\n"
+        "print(open_clip_train.params.__drrho_patched__, open_clip_train.main.__drrho_patched__)"))
+    assert result.returncode == 0 and result.stdout.strip() == 'True True', result
+
+
+def test_a_hook_installed_after_open_clip_train_stops_and_patches_nothing(tmp_path):
+    """A module already imported unpatched: the hook says so and is not installed, so the modules imported later are
+    not patched beside it (patched main.py reads plugins that an unpatched params.py never loaded)."""
+    code = ("import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_DeferredHook']\n"
+            "import open_clip_train.params\n"
+            "from drrho_openclip.openclip import PluginActivationError, install_import_hook\n"
+            "try:\n"
+            "    install_import_hook()\n"
+            "except PluginActivationError as e:\n"
+            "    print(e)\n"
+            "import open_clip_train.main\n"
+            "print('main patched:', hasattr(open_clip_train.main, '__drrho_patched__'))\n")
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("open_clip_train.params was imported before the plugin hook: call "
+            "drrho_openclip.openclip.install_import_hook() before importing open_clip_train") in result.stdout
+    assert 'main patched: False' in result.stdout

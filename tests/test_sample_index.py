@@ -229,6 +229,27 @@ def test_sample_index_is_refused_for_csv_input(shapes, index, capsys):
         capsys.readouterr().err
 
 
+def test_the_training_loader_samples_whole_windows_of_batch_times_accum_freq():
+    """What the run's loader is given (`wrap_data`): two ranks with --batch-size 2 and --accum-freq 2 gather, window by
+    window, the one process's batches of 8."""
+    from types import SimpleNamespace
+    from torch.utils.data import DataLoader
+    from open_clip_train.data import DataInfo, SyntheticDataset
+    from drrho_openclip.openclip.loaders import _with_sample_extras
+
+    def sampled(world_size, rank, batch_size, accum_freq):
+        loader = DataLoader(SyntheticDataset(image_size=(4, 4), dataset_size=70))
+        loader.num_samples = 70  # as OpenCLIP sets it
+        data = {'train': DataInfo(loader)}
+        args = SimpleNamespace(world_size=world_size, rank=rank, seed=5, batch_size=batch_size, accum_freq=accum_freq,
+                               workers=0)
+        sampler = _with_sample_extras(SimpleNamespace(reference_store=None), data, args)['train'].sampler
+        sampler.set_epoch(1)
+        return list(sampler)
+    one, ranks = sampled(1, 0, 8, 1), [sampled(2, rank, 2, 2) for rank in range(2)]
+    assert [s for window in range(len(one) // 8) for r in ranks for s in r[4 * window:4 * (window + 1)]] == one
+
+
 @pytest.mark.parametrize('samples, batch, accum', [(65, 3, 1), (70, 2, 3)])
 def test_every_step_has_the_one_process_global_batch_at_any_world_size(samples, batch, accum):
     """CSV and synthetic input: rank r's block of each window, gathered in rank order, is the one process's global

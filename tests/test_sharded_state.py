@@ -6,6 +6,7 @@ Loss level (2 gloo processes): sharded = replicated = one process over several s
 saved by 2 ranks read by 1 and 3 ranks, and by either layout. End to end through OpenCLIP: 2-rank sharded
 training, a killed run resumed exactly, a 2-rank checkpoint resumed with 1 rank, a missing shard named."""
 import functools
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -471,12 +472,16 @@ def node_local_folders(rank, world_size, root, what):
     args = SimpleNamespace(rank=rank, world_size=world_size, distributed=True, device='cpu', train_data=None,
                            dataset_type='auto', logs=str(Path(root) / f'rank{rank}'), checkpoint_path=str(folder),
                            resume=str(folder / 'epoch_1.pt'))
-    if what == 'resume latest':
-        check_resumed_loss(None, SimpleNamespace(resume_latest=True, loss_name='clip'), args)
-        return args.resume
+    if what == 'unsearchable on rank 1' and rank == 1:  # a mount the rank's user cannot search (root can)
+        def unsearchable(path):
+            raise PermissionError(13, 'Permission denied', str(path))
+        Path.exists = unsearchable
     try:
+        if what.startswith('resume latest'):
+            check_resumed_loss(None, SimpleNamespace(resume_latest=True, loss_name='clip'), args)
+            return args.resume
         check_checkpoint_folder_shared(args, torch.device('cpu'))
-    except SystemExit as e:
+    except SystemExit as e:  # every rank, where one rank alone stopping would leave the others waiting
         return str(e)
     return 'passed'
 
@@ -487,6 +492,8 @@ def _node_local(tmp_path, what):
         folder.mkdir(parents=True)
         for epoch in epochs:
             torch.save({'epoch': epoch, 'state_dict': {}}, folder / f'epoch_{epoch}.pt')
+    if what == 'resume latest, a damaged epoch_latest.pt':
+        (tmp_path / 'rank0' / 'checkpoints' / 'epoch_latest.pt').write_bytes(b'damaged')
     return on_gloo_ranks(functools.partial(node_local_folders, root=str(tmp_path), what=what), 2, tmp_path)
 
 
@@ -495,11 +502,38 @@ def test_resume_latest_resumes_rank_0s_pick_on_every_rank(tmp_path):
     assert _node_local(tmp_path, 'resume latest') == [str(tmp_path / 'rank0' / 'checkpoints' / 'epoch_2.pt')] * 2
 
 
-def test_sharded_state_stops_at_start_up_where_ranks_do_not_share_the_checkpoint_folder(tmp_path):
+def test_a_pick_that_fails_on_rank_0_stops_every_rank(tmp_path):
+    # rank 0 alone reads the folder: had it stopped alone, the others would wait for its pick
+    stopped = _node_local(tmp_path, 'resume latest, a damaged epoch_latest.pt')
+    assert len(stopped) == 2 and all(
+        s.startswith("drrho-openclip: --resume latest: rank 0 could not choose the checkpoint to resume in "
+                     f"'{tmp_path / 'rank0' / 'checkpoints'}': ") for s in stopped), stopped
+
+
+def test_resume_latest_says_nothing_where_it_resumes_openclips_pick(tmp_path, monkeypatch, caplog):
+    """With --logs' default './logs/', OpenCLIP's pick keeps the './' and the plugin's did not: every resume warned
+    that it resumed another file than OpenCLIP's, the same one."""
+    from types import SimpleNamespace
+    from drrho_openclip.openclip.checkpoints import check_resumed_loss
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / 'logs' / 'run' / 'checkpoints'
+    folder.mkdir(parents=True)
+    for epoch in (1, 2):
+        torch.save({'epoch': epoch, 'state_dict': {}}, folder / f'epoch_{epoch}.pt')
+    checkpoint_path = os.path.join('./logs/', 'run', 'checkpoints')  # as OpenCLIP joins them
+    args = SimpleNamespace(rank=0, world_size=1, distributed=False, device='cpu', train_data=None,
+                           dataset_type='auto', checkpoint_path=checkpoint_path,
+                           resume=os.path.join(checkpoint_path, 'epoch_2.pt'))
+    check_resumed_loss(None, SimpleNamespace(resume_latest=True, loss_name='clip'), args)
+    assert os.path.samefile(args.resume, folder / 'epoch_2.pt') and 'resume latest' not in caplog.text
+
+
+@pytest.mark.parametrize('what', ['shared folder', 'unsearchable on rank 1'])
+def test_sharded_state_stops_at_start_up_where_ranks_do_not_share_the_checkpoint_folder(tmp_path, what):
     # each rank writes its block of the state next to rank 0's checkpoints: this failed at the first save
     expected = [f"drrho-openclip: 1 of 2 ranks do not see the checkpoint folder "
                 f"'{tmp_path / f'rank{rank}' / 'checkpoints'}' that rank 0 writes, and with the per-sample state "
                 "sharded every rank writes its block there: give --logs a folder every node shares, or "
                 "--state-layout replicated" for rank in (0, 1)]
-    assert _node_local(tmp_path, 'shared folder') == expected
+    assert _node_local(tmp_path, what) == expected
     assert not list((tmp_path / 'rank0' / 'checkpoints').glob('.drrho*'))  # the mark is gone

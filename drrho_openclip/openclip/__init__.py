@@ -1,4 +1,4 @@
-"""drrho-openclip's one boundary to OpenCLIP's training code (open_clip_train 3.3.x), and its plugin entry point
+"""drrho-openclip's one boundary to OpenCLIP's training code (open_clip_train 3.3.0), and its plugin entry point
 (`open_clip_train.plugins: drrho = drrho_openclip.openclip`).
 
 `patches/open_clip-3.3.0-plugin-api.patch`, applied in memory by the import hook (`import_hook.py`), makes

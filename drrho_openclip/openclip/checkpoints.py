@@ -65,8 +65,17 @@ def check_resumed_loss(loss, run: Run, args):
     if run.resume_latest:
         # rank 0's pick on every rank, as OpenCLIP broadcasts its own: ranks may list a shared folder differently
         # (a stale listing under load), and ranks that resume different epochs train apart until a save fails
-        pick = _newest_complete_checkpoint(Path(args.checkpoint_path), args) if args.rank == 0 else None
-        args.resume = broadcast_object(pick, args.world_size, torch.device(args.device))
+        pick, error = None, None
+        if args.rank == 0:
+            try:
+                pick = _newest_complete_checkpoint(Path(args.checkpoint_path), args)
+            except Exception as e:  # noqa: BLE001 - stopped on every rank below, not on rank 0 alone
+                error = f"'{args.checkpoint_path}': {type(e).__name__}: {e}"
+        pick, error = broadcast_object((pick, error), args.world_size, torch.device(args.device))
+        if error:
+            raise SystemExit(f"drrho-openclip: --resume latest: rank 0 could not choose the checkpoint to resume in "
+                             f"{error}")
+        args.resume = pick
     if not args.resume or not os.path.isfile(args.resume):
         return
     loss_name = run.loss_name
@@ -117,7 +126,7 @@ def _newest_complete_checkpoint(folder: Path, args):
     if latest.is_file():  # after an epoch_N.pt of its epoch: what OpenCLIP picks where both are there
         complete.append((_checkpoint_of(latest).get('epoch', 0) + 0.5, latest))
     newest = str(max(complete)[1]) if complete else None
-    if newest != args.resume:
+    if _absolute(newest) != _absolute(args.resume):
         picked = f"'{args.resume}'" if args.resume else 'none'
         logging.warning(f"drrho-openclip: --resume latest resumes from '{newest}', the newest complete checkpoint of "
                         f"the run, where OpenCLIP picked {picked} (a save that did not finish, an epoch_latest.pt "
@@ -125,6 +134,11 @@ def _newest_complete_checkpoint(folder: Path, args):
                         f"drrho-openclip: --resume latest starts from scratch: the run has no complete checkpoint, "
                         f"and OpenCLIP picked '{args.resume}', left by a save that did not finish")
     return newest
+
+
+def _absolute(path):
+    """A path compared as a file, not as text: OpenCLIP's pick keeps the './' of --logs' default, Path drops it."""
+    return os.path.abspath(path) if path else None
 
 
 def check_checkpoint_folder_shared(args, device: torch.device):
@@ -145,12 +159,12 @@ def check_checkpoint_folder_shared(args, device: torch.device):
     # the mark is there (or rank 0 failed) before any rank looks: the all-reduce is also the barrier
     if all_reduce(torch.tensor([int(not written)], device=device), args.world_size, device).item():
         raise SystemExit(f"drrho-openclip: rank 0 cannot write in the checkpoint folder '{folder}'")
-    seen = mark.exists()
+    seen = _exists(mark)
     for _ in range(5):  # a network file system may show a new file to other hosts a moment later
         if seen:
             break
         time.sleep(1)
-        seen = mark.exists()
+        seen = _exists(mark)
     if not seen:
         logging.error(f"drrho-openclip: rank {args.rank} (host {socket.gethostname()}) does not see the checkpoint "
                       f"folder '{folder}' that rank 0 writes")
@@ -161,6 +175,14 @@ def check_checkpoint_folder_shared(args, device: torch.device):
         raise SystemExit(f"drrho-openclip: {unseen} of {args.world_size} ranks do not see the checkpoint folder "
                          f"'{folder}' that rank 0 writes, and with the per-sample state sharded every rank writes its "
                          f"block there: give --logs a folder every node shares, or --state-layout replicated")
+
+
+def _exists(path: Path) -> bool:
+    """Path.exists, False where the folder cannot be searched (raising here would leave the other ranks waiting)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):

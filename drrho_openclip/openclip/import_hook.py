@@ -11,6 +11,7 @@ import importlib.abc
 import importlib.machinery
 import linecache
 import sys
+import threading
 from pathlib import Path
 
 from .. import _bootstrap
@@ -44,7 +45,7 @@ def check_openclip_version():
         version = importlib.metadata.version('open_clip_torch')
     except importlib.metadata.PackageNotFoundError:
         raise PluginActivationError("drrho-openclip: open_clip_torch is not installed") from None
-    if version != SUPPORTED_OPENCLIP:
+    if version.split('+')[0] != SUPPORTED_OPENCLIP:  # a local build of it (3.3.0+local) is its source
         raise PluginActivationError(
             f"drrho-openclip supports open_clip_torch {SUPPORTED_OPENCLIP}, found {version}: "
             f"install open_clip_torch=={SUPPORTED_OPENCLIP} or uninstall drrho-openclip")
@@ -103,21 +104,26 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+_installing = threading.Lock()  # the first import of open_clip_train installs the hook, in whichever thread
+
+
 def install_import_hook() -> _PatchingFinder:
     """Idempotent; returns the hook. Fails if a module to patch was already imported unpatched (the hook came too
-    late)."""
-    for finder in sys.meta_path:
-        if isinstance(finder, _PatchingFinder):
-            return finder
-    modules = _bootstrap.patched_modules(patch_path())
-    too_late = [m for m in modules if m in sys.modules and not hasattr(sys.modules[m], '__drrho_patched__')]
-    finder = _PatchingFinder(modules)
-    sys.meta_path.insert(0, finder)
-    if too_late:
-        raise PluginActivationError(f"drrho-openclip: {', '.join(sorted(too_late))} was imported before the plugin "
-                                    f"hook; import drrho_openclip.openclip first (or run `python -m "
-                                    f"drrho_openclip.train`)")
-    return finder
+    late), and is then not installed: the modules imported later would be patched, beside unpatched ones."""
+    with _installing:
+        for finder in sys.meta_path:
+            if isinstance(finder, _PatchingFinder):
+                return finder
+        modules = _bootstrap.patched_modules(patch_path())
+        too_late = [m for m in modules if m in sys.modules and not hasattr(sys.modules[m], '__drrho_patched__')]
+        if too_late:
+            raise PluginActivationError(
+                f"drrho-openclip: {', '.join(sorted(too_late))} was imported before the plugin hook: call "
+                f"drrho_openclip.openclip.install_import_hook() before importing open_clip_train, or run `python -m "
+                f"drrho_openclip.train`")
+        finder = _PatchingFinder(modules)
+        sys.meta_path.insert(0, finder)
+        return finder
 
 
 def openclip_main(argv) -> int:

@@ -81,7 +81,8 @@ def configure_model(run: Run, model, args):
         if sharding.sharded:
             logging.info(f"drrho-openclip: per-sample state sharded over {args.world_size} ranks, "
                          f"{sharding.size} of {sharding.num_samples} rows on rank {args.rank}")
-            check_checkpoint_folder_shared(args, device)
+            if trains(args):  # an evaluation writes no checkpoint
+                check_checkpoint_folder_shared(args, device)
     attached = attach_to_model(model, loss)
     if attached:
         logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
