@@ -467,7 +467,9 @@ def node_local_folders(rank, world_size, root, what):
     """Each rank lists a checkpoint folder of its own: rank 1's holds only epoch 1, as a node-local --logs, or a
     shared folder's stale listing under load, shows it."""
     from types import SimpleNamespace
+    from drrho_openclip.openclip import checkpoints
     from drrho_openclip.openclip.checkpoints import check_checkpoint_folder_shared, check_resumed_loss
+    checkpoints.MARK_WAIT_SECONDS = 0  # no file system here shows the mark late
     folder = Path(root) / f'rank{rank}' / 'checkpoints'
     args = SimpleNamespace(rank=rank, world_size=world_size, distributed=True, device='cpu', train_data=None,
                            dataset_type='auto', logs=str(Path(root) / f'rank{rank}'), checkpoint_path=str(folder),

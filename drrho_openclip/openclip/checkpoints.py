@@ -33,6 +33,7 @@ SHARD_SET_SUFFIX = '.loss_state'
 # a set, or the staging (.tmp-) or replaced (.old-) directory a killed save left behind
 SHARD_SET = re.compile(rf'epoch_(\d+){re.escape(SHARD_SET_SUFFIX)}(\.(?:tmp|old)-[0-9a-f]+)?')
 EPOCH_CHECKPOINT = re.compile(r'epoch_(\d+)\.pt')
+MARK_WAIT_SECONDS = 5  # how long a rank looks for rank 0's mark in the checkpoint folder before it says it is unseen
 
 
 def _sharded(loss) -> bool:
@@ -160,7 +161,7 @@ def check_checkpoint_folder_shared(args, device: torch.device):
     if all_reduce(torch.tensor([int(not written)], device=device), args.world_size, device).item():
         raise SystemExit(f"drrho-openclip: rank 0 cannot write in the checkpoint folder '{folder}'")
     seen = _exists(mark)
-    for _ in range(5):  # a network file system may show a new file to other hosts a moment later
+    for _ in range(MARK_WAIT_SECONDS):  # a network file system may show a new file to other hosts a moment later
         if seen:
             break
         time.sleep(1)
