@@ -9,6 +9,7 @@ import os
 import sys
 
 PATCH_FILE = 'open_clip-3.3.0-plugin-api.patch'
+MISSING_PATCH = f"{PATCH_FILE} is missing from the installation; reinstall drrho-openclip"
 
 
 def patch_path():
@@ -50,7 +51,7 @@ def install():
     try:
         path = patch_path()
         if path is None:
-            raise FileNotFoundError(f"{PATCH_FILE} is missing from the installation; reinstall drrho-openclip")
+            raise FileNotFoundError(MISSING_PATCH)
         if not any(isinstance(finder, _DeferredHook) for finder in sys.meta_path):
             sys.meta_path.insert(0, _DeferredHook(patched_modules(path)))
     except Exception as error:  # noqa: BLE001 - start-up must not break unrelated programs

@@ -58,6 +58,13 @@ def all_reduce(tensor: torch.Tensor, world_size: int, device: torch.device) -> t
     return tensor
 
 
+def ranks_where(condition: bool, world_size: int, device: torch.device) -> int:
+    """How many ranks have `condition` (every rank calls this, so it is also a barrier): one flag each, summed, so
+    that a failure seen by some ranks stops all of them, rather than leaving the others waiting at a collective."""
+    flag = torch.tensor([int(condition)], dtype=torch.int64, device=device)
+    return int(all_reduce(flag, world_size, device).item())
+
+
 def broadcast_object(value, world_size: int, device: torch.device):
     """Rank 0's `value` (a picklable object) on every rank. The pickle travels as a tensor on `device`: without one,
     NCCL would take whatever CUDA device is current, which need not be the loss's."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .base import KeepsStatePrecision
-from .collectives import all_reduce, broadcast_object, check_device, gather_batch
+from .collectives import all_reduce, broadcast_object, check_device, gather_batch, ranks_where
 
 STATE_LAYOUTS = ('auto', 'replicated', 'sharded')
 # `--state-layout auto` shards the per-sample tables from this many samples on (with more than one rank).
@@ -298,11 +298,7 @@ def _distributed(world_size: int) -> bool:
 
 def _all_ok(ok: bool, what: str, world_size: int, device: torch.device, error: Exception = None):
     """Raise on every rank if any rank failed (a bare barrier would leave the others waiting forever)."""
-    if _distributed(world_size):
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-        failed = int(all_reduce(flag, world_size, device).item())
-    else:
-        failed = 0 if ok else 1
+    failed = ranks_where(not ok, world_size, device) if _distributed(world_size) else int(not ok)
     if failed:
         raise RuntimeError(f"{what} failed on {failed} rank(s)" + (f": {error}" if error is not None else "")) \
             from error

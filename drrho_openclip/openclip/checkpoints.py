@@ -23,7 +23,7 @@ import torch
 
 from ..losses import (ATTACHED_PREFIX, TEACHER_SCALE_STATE_KEY, attached_names, load_state_shards, per_sample_tables,
                       save_state_shards)
-from ..losses.collectives import all_reduce, broadcast_object
+from ..losses.collectives import broadcast_object, ranks_where
 from .flags import CHOSEN_BY_THE_RUN, csv_fingerprint_as_written, flag, trains
 from .run import Run
 
@@ -157,8 +157,7 @@ def check_checkpoint_folder_shared(args, device: torch.device):
         except OSError as e:
             written = False
             logging.error(f"drrho-openclip: cannot write in the checkpoint folder '{folder}': {e}")
-    # the mark is there (or rank 0 failed) before any rank looks: the all-reduce is also the barrier
-    if all_reduce(torch.tensor([int(not written)], device=device), args.world_size, device).item():
+    if ranks_where(not written, args.world_size, device):  # and the mark is there before any rank looks
         raise SystemExit(f"drrho-openclip: rank 0 cannot write in the checkpoint folder '{folder}'")
     seen = _exists(mark)
     for _ in range(MARK_WAIT_SECONDS):  # a network file system may show a new file to other hosts a moment later
@@ -169,7 +168,7 @@ def check_checkpoint_folder_shared(args, device: torch.device):
     if not seen:
         logging.error(f"drrho-openclip: rank {args.rank} (host {socket.gethostname()}) does not see the checkpoint "
                       f"folder '{folder}' that rank 0 writes")
-    unseen = int(all_reduce(torch.tensor([int(not seen)], device=device), args.world_size, device).item())
+    unseen = ranks_where(not seen, args.world_size, device)
     if args.rank == 0:
         mark.unlink(missing_ok=True)
     if unseen:

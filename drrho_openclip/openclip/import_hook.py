@@ -28,7 +28,7 @@ def patch_path() -> Path:
     """The patch shipped in the wheel (drrho_openclip/patches/) or, in a source checkout, the repo's patches/."""
     path = _bootstrap.patch_path()
     if path is None:
-        raise PluginActivationError(f"drrho-openclip: {PATCH_FILE} is missing from the installation; reinstall it")
+        raise PluginActivationError(f"drrho-openclip: {_bootstrap.MISSING_PATCH}")
     return Path(path)
 
 
