@@ -8,8 +8,8 @@ read, not run again. The drawn data is the same for every seed; the seed changes
 training. Reported: the zero-shot top-1 of the reference and of each target, mean ± standard deviation over the
 seeds, and each target's difference from the `clip` target paired by seed, with the number of seeds where it is
 above. About 3.5 min a seed on the project's 2 CPU cores. `--variants` trains more targets on each seed's data and
-reference features, with the same seed and sizes: a loss and its flags each, one that reads the reference features
-(`drrho ...`, `clip --distill-weight λ`); about 25 s each.
+reference features (where its flags read them), with the same seed and sizes: a loss and its flags each (`drrho ...`,
+`clip --distill-weight λ`); about 25 s each.
 Writes `results/demo_seeds.{md,json}` (or `--output`).
 """
 import argparse
@@ -25,7 +25,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from drrho_openclip import demo
+from drrho_openclip.losses import get_loss_spec
 from drrho_openclip.openclip import evaluation
+from replication import reads_reference
 
 RESULTS = Path(__file__).parent / 'results'
 MODELS = {'reference': 'reference (clip, its own split)', 'drrho': 'target, --loss drrho',
@@ -67,9 +69,10 @@ def train_variant(workdir: Path, setting: dict, flags: str, scoring: tuple) -> f
     args = SimpleNamespace(model=f"local-dir:{workdir / 'tiny_model'}", logs=workdir / 'logs', verbose=False,
                            **setting)
     data = demo.csv_data_args(workdir / 'data' / 'train.csv')
+    reference = ['--ref-features', workdir / 'ref_features'] if reads_reference(
+        get_loss_spec(loss).reference, loss_flags) else []  # the plugin refuses features a variant does not read
     run = demo.TrainingRun(f'seed {setting["seed"]}:', name, flags, data, args, samples=setting['samples'],
-                           epochs=setting['epochs'],
-                           extra=['--loss', loss, *loss_flags, '--ref-features', workdir / 'ref_features'])
+                           epochs=setting['epochs'], extra=['--loss', loss, *loss_flags, *reference])
     last = run.checkpoints / f"epoch_{setting['epochs']}.pt"
     if last.exists():
         model, tokenizer, images, labels = scoring

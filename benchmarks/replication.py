@@ -814,11 +814,15 @@ def parse_args(argv=None):
 
 def reads_reference(reference: str, flags) -> bool:
     """Whether a loss whose spec says `reference` ('required', 'optional' or 'none') reads reference features with
-    these flags: an optional reference is read for distillation (--distill-weight > 0) or a --reference-shift."""
-    if reference != 'optional':
-        return reference == 'required'
-    distill = [float(value) for flag, value in zip(flags, flags[1:]) if flag == '--distill-weight']
-    return '--reference-shift' in flags or any(weight > 0 for weight in distill)
+    these flags (the plugin refuses them otherwise): an optional reference is read for distillation
+    (--distill-weight > 0) or a --reference-shift, a required one unless --reference-weight 0 (drrho unshifted)
+    leaves it to distillation alone."""
+    def last(name, default):
+        return ([float(value) for flag, value in zip(flags, flags[1:]) if flag == name] or [default])[-1]
+    distills = last('--distill-weight', 0.0) > 0
+    if reference == 'optional':
+        return '--reference-shift' in flags or distills
+    return reference == 'required' and (distills or last('--reference-weight', 1.0) != 0)
 
 
 def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=(), batch_size=None):
@@ -1238,8 +1242,12 @@ def main(argv=None):
         name_and_flags = shlex.split(loss)
         spec = get_loss_spec(name_and_flags[0])
         needs_ref = reads_reference(spec.reference, name_and_flags[1:])
-        reference_use[loss] = {'required': 'yes (required)', 'none': 'no'}.get(
-            spec.reference, 'yes (these flags)' if needs_ref else 'no (optional)')
+        if spec.reference == 'none':
+            reference_use[loss] = 'no'
+        elif needs_ref:
+            reference_use[loss] = 'yes (required)' if spec.reference == 'required' else 'yes (these flags)'
+        else:
+            reference_use[loss] = 'no (these flags)' if spec.reference == 'required' else 'no (optional)'
         run_label = re.sub(r'[^A-Za-z0-9.]+', '_', loss).strip('_')  # run and folder names
         for exact in args.fractions:
             fraction, epochs = float(exact), int(args.epochs / exact)  # whole: parse_args checked

@@ -142,6 +142,9 @@ def test_shapes_fallback_preparer_builds_csvs_and_class_list(tmp_path):
     ('optional', ['--distill-weight', '0.5'], True),     # MobileCLIP-style distillation reads the reference
     ('optional', ['--distill-weight', '0'], False),
     ('optional', ['--rho', '3', '--reference-shift'], True),
+    ('required', ['--reference-weight', '0'], False),  # drrho unshifted, which the plugin refuses features for
+    ('required', ['--reference-weight', '0', '--distill-weight', '0.5'], True),
+    ('required', ['--reference-weight', '0', '--reference-weight', '0.25'], True),  # the last one given counts
 ])
 def test_replication_passes_reference_features_when_the_flags_read_them(reference, flags, reads):
     assert replication.reads_reference(reference, flags) is reads

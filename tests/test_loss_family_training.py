@@ -62,7 +62,6 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     (('--loss', 'clip', '--ref-model', 'x'), 'drop --ref-features/--ref-model or distill from them with --distill-weight'),
     # a bad value is named as such, before whether the reference is read
     (('--loss', 'clip', '--distill-weight', '-0.5', '--ref-model', 'x'), '--distill-weight λ must be in [0, 1]'),
-    (('--loss', 'balanced', '--balance-steps', '0'), 'at least one balancing step'),
     (('--loss', 'drrho', '--gamma', '1.5', '--ref-model', 'x'), 'gamma'),
     (('--loss', 'sogclr', '--gamma', '1', '--gamma-decay-epochs', '4'),
      '--gamma-decay-epochs has no effect for --loss sogclr with these flags (gamma = 1 keeps no per-sample u'),

@@ -195,6 +195,26 @@ def test_reference_weight_scales_the_shift(alpha, tile_size):
     assert not torch.isclose(out, paper)  # α is not silently dropped
 
 
+def test_reference_weight_zero_reads_no_reference():
+    """α = 0 is drrho's DRO unshifted (the ablation of the shift): a batch without reference features trains it, the
+    same to the bit as with them, and its per-sample u is of the unshifted loss."""
+    image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(6), 7)
+    index = torch.arange(7)
+    results = []
+    for reference in ({}, dict(ref_image_features=ref_image, ref_text_features=ref_text)):
+        loss = create_loss('drrho', num_samples=7, gamma=0.5, reference_weight=0.0)
+        loss.set_total_steps(1)
+        features = [f.detach().clone().requires_grad_() for f in (image, text)]
+        out = loss(*features, torch.tensor(1.0), index=index, **reference)
+        out.backward()
+        results.append((out.detach(), *(f.grad for f in features), loss.temperature.log_tau.clone(),
+                        *(t.clone() for t in loss.state_dict().values() if t.dim() == 1 and len(t) == 7)))
+    assert len(results[0]) > 4  # the u tables were compared too
+    for without, with_ in zip(*results):
+        assert torch.equal(without, with_)
+    assert not create_loss('drrho', num_samples=7, reference_weight=0.0).reference_shift
+
+
 def test_reference_weight_must_not_be_negative():
     with pytest.raises(ValueError, match='α must be ≥ 0'):
         create_loss('drrho', num_samples=4, reference_weight=-0.5)

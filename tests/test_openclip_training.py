@@ -242,6 +242,23 @@ def test_resuming_onto_other_samples_stops_and_other_settings_are_named(shapes, 
     assert checkpoint(tmp_path, 'run', 2)['loss_state'][RUN_KEY]['options']['reference_weight'] == 1.0
 
 
+@pytest.mark.parametrize('loss, options, restored', [
+    ('drrho', dict(learn_temperature=True), True),   # log τ is the loss's state
+    ('isogclr', dict(), True),                       # the per-sample τ's are its tables
+    ('balanced', dict(learn_temperature=True), True),  # the model's logit_scale
+    ('sogclr', dict(learn_temperature=False), False),  # a fixed τ is this run's flag
+])
+def test_a_changed_start_of_a_learned_temperature_is_said_not_to_apply(caplog, loss, options, restored):
+    from drrho_openclip.openclip import checkpoints
+    saved = {'options': dict(options, temperature=0.07)}
+    run = SimpleNamespace(loss_name=loss, provenance={'options': dict(options, temperature=0.03)})
+    with caplog.at_level('WARNING'):
+        checkpoints._warn_of_changes(saved, run, SimpleNamespace(resume='epoch_1.pt', epochs=None), False)
+    assert 'resuming with --temperature 0.07 -> 0.03' in caplog.text
+    assert ("a learned τ resumes from the checkpoint's, so --temperature, the start of a new run, does not apply"
+            in caplog.text) is restored
+
+
 def test_no_u_table_when_gamma_stays_one(shapes, tmp_path):
     # with a fixed τ too there is nothing to save (a learned τ's three buffers would be the loss's state)
     run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1', '--no-learn-temperature',

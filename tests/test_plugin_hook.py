@@ -62,8 +62,50 @@ def test_jest_is_checked_against_the_super_batch_it_selects_from(capsys):
     assert parse_args(['--loss', 'jest', '--ref-model', 'RN50', '--batch-size', '4', '--accum-freq', '4']).loss == 'jest'
     with pytest.raises(SystemExit):
         parse_args(['--loss', 'jest', '--ref-model', 'RN50', '--batch-size', '2', '--accum-freq', '2'])
-    assert ('JEST keeps 1 of a super-batch of 4 per rank, fewer than 2: raise --batch-size or the selection ratio, or '
-            'use fewer chunks (the super-batch is --batch-size × --accum-freq)') in capsys.readouterr().err
+    assert ('JEST keeps 1 of a super-batch of 4 per rank, fewer than 2: raise --batch-size or --selection-ratio, or '
+            'lower --num-chunks (the super-batch is --batch-size × --accum-freq)') in capsys.readouterr().err
+
+
+SYNTHETIC = ('--dataset-type', 'synthetic', '--train-num-samples', '16')  # a training run, without data files
+
+
+@pytest.mark.parametrize('argv, message', [
+    # a τ never stepped is never clamped: its bounds are unread, so they neither stop a start above them nor may be set
+    (('--loss', 'drrho', '--ref-model', 'RN50', '--lr-tau', '0', '--temperature', '2'), None),
+    (('--loss', 'drrho', '--ref-model', 'RN50', '--lr-tau', '0', '--temperature', '2', '--tau-max', '3'),
+     '--tau-max has no effect for --loss drrho with these flags (--lr-tau 0 never steps τ)'),
+    (('--loss', 'isogclr', '--lr-tau', '0', '--temperature', '2'), None),
+    (('--loss', 'isogclr', '--lr-tau', '0', '--rho', '3'),
+     '--rho has no effect for --loss isogclr with these flags (--lr-tau 0 never steps the per-sample τ)'),
+    (('--loss', 'isogclr', '--lr-tau', '0', '--tau-beta1', '0.5'), '--tau-beta1 has no effect'),
+    (('--loss', 'isogclr', '--lr-tau', '-1'), "the per-sample τ's learning rate --lr-tau must be ≥ 0"),
+    (('--loss', 'isogclr', '--tau-eps', '0'), "the per-sample τ's Adam needs --tau-eps > 0"),
+    # γ = 1 keeps no table to lay out, but isogclr's per-sample τ's are one
+    (('--loss', 'sogclr', '--gamma', '1', '--state-layout', 'auto'),
+     '--state-layout has no effect for --loss sogclr with these flags (gamma = 1 keeps no per-sample state'),
+    (('--loss', 'isogclr', '--gamma', '1', '--state-layout', 'auto'), None),
+    # drrho's reference weight 0 is its DRO unshifted: it reads the reference for KD only
+    (('--loss', 'drrho', '--reference-weight', '0'), None),
+    (('--loss', 'drrho', '--reference-weight', '0', '--ref-model', 'RN50'),
+     'drop --ref-features/--ref-model or shift by them with --reference-weight > 0 or distill from them'),
+    (('--loss', 'drrho', '--reference-weight', '0', '--distill-weight', '0.5'), 'needs reference features'),
+    (('--loss', 'drrho', '--reference-weight', '0', '--temperature', 'auto'),
+     'which this loss does not shift by (--reference-weight 0): give a number'),
+    # the loss's own checks name the flag at fault
+    (('--loss', 'balanced', '--balance-steps', '0'), 'needs --balance-steps ≥ 1'),
+    (('--loss', 'adnce', '--adnce-sigma', '0'), "ADNCE's σ (--adnce-sigma) must be > 0"),
+    (('--loss', 'jest', '--ref-model', 'RN50', '--selection-ratio', '2'), "JEST's --selection-ratio must be in (0, 1]"),
+    (('--loss', 'jest', '--ref-model', 'RN50', '--batch-size', '8', '--num-chunks', '3'),
+     'raise --batch-size or --selection-ratio, or lower --num-chunks'),
+])
+def test_flags_are_read_as_given_or_refused_naming_the_flag(capsys, argv, message):
+    from open_clip_train.params import parse_args
+    if message is None:
+        assert parse_args([*argv, *SYNTHETIC]).loss == argv[1]
+        return
+    with pytest.raises(SystemExit):
+        parse_args([*argv, *SYNTHETIC])
+    assert message in capsys.readouterr().err
 
 
 def test_an_evaluation_run_reuses_the_training_commands_flags():

@@ -245,7 +245,7 @@ def test_layout_option():
     assert big.sharding.sharded and big.state.log_u_image.numel() == AUTO_SHARD_FROM_SAMPLES // 2
     small = create_loss('sogclr', num_samples=AUTO_SHARD_FROM_SAMPLES - 1, rank=1, world_size=2)
     assert not small.sharding.sharded and small.state.log_u_image.numel() == AUTO_SHARD_FROM_SAMPLES - 1
-    with pytest.raises(ValueError, match='nothing to lay out'):
+    with pytest.raises(ValueError, match=r'state_layout has no effect here \(gamma = 1 keeps no per-sample state'):
         create_loss('drrho', num_samples=N, gamma=1.0, state_layout='sharded')
     with pytest.raises(ValueError, match='state_layout must be one of'):
         create_loss('drrho', num_samples=N, state_layout='striped')
@@ -259,7 +259,8 @@ def test_flag_is_rejected_where_there_are_no_tables(capsys):
     assert parse_args(['--loss', 'sogclr']).state_layout == 'auto'
     for argv, message in ((['--loss', 'clip', '--state-layout', 'sharded'], '--state-layout: no such option'),
                           (['--loss', 'drrho', '--ref-model', 'RN50', '--gamma', '1', '--state-layout', 'replicated'],
-                           "--state-layout 'replicated' has nothing to lay out"),  # the flag as typed
+                           '--state-layout has no effect for --loss drrho with these flags (gamma = 1 keeps no '
+                           'per-sample state to lay out)'),
                           (['--loss', 'sogclr', '--state-layout', 'striped'], 'invalid choice')):
         with pytest.raises(SystemExit):
             parse_args(argv)

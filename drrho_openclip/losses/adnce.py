@@ -18,7 +18,7 @@ class GaussianLogWeight:
 
     def __init__(self, mu: float, sigma: float):
         if sigma <= 0:
-            raise ValueError(f"ADNCE's σ must be > 0, got {sigma}")
+            raise ValueError(f"ADNCE's σ (adnce_sigma) must be > 0, got {sigma}")
         self.mu, self.sigma = mu, sigma
 
     def __call__(self, sim, positive_mask):

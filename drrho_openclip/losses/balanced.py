@@ -199,7 +199,7 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                  world_size: int = 1):
         super().__init__()
         if steps < 1:
-            raise ValueError(f"the balanced loss needs at least one balancing step (1 = CLIP), got {steps}")
+            raise ValueError(f"the balanced loss needs balance_steps ≥ 1 (1 = CLIP), got {steps}")
         self.temperature = temperature
         self.steps = steps
         self.reference_shift = reference_shift

@@ -96,8 +96,9 @@ def _global_temperature(o, reference_shift):
     the model's logit_scale."""
     _check_auto(o, 'temperature', 1e-300)
     if o.temperature == AUTO and not reference_shift:
+        unshifted = " (reference_weight 0)" if getattr(o, 'reference_weight', None) == 0 else ""
         raise ValueError(f"temperature '{AUTO}' is chosen from the reference model's margins, which this loss does "
-                         f"not shift by: give a number")
+                         f"not shift by{unshifted}: give a number")
     if not _learns_temperature(o):
         if o.temperature == AUTO:
             raise ValueError(f"temperature '{AUTO}' is the start of a learned τ, and learn_temperature is off: learn "
@@ -125,10 +126,13 @@ def _rho(o):
     return (None if o.rho == AUTO else o.rho), o.target_negatives
 
 
-def _state_inactive(o) -> dict:
+def _state_inactive(o, per_sample_temperature=False) -> dict:
     if o.gamma != 1:
         return {}
-    return {'gamma_decay_epochs': "gamma = 1 keeps no per-sample u to decay γ for"}
+    unread = {'gamma_decay_epochs': "gamma = 1 keeps no per-sample u to decay γ for"}
+    if not per_sample_temperature:
+        unread['state_layout'] = "gamma = 1 keeps no per-sample state to lay out"
+    return unread
 
 
 def _global_temperature_inactive(o) -> dict:
@@ -156,8 +160,18 @@ def _global_temperature_and_distill_inactive(o) -> dict:
     return {**_global_temperature_inactive(o), **_distill_inactive(o)}
 
 
-def _estimator_temperature_inactive(o) -> dict:
-    return {**_state_inactive(o), **({} if o.rho == AUTO else {'target_negatives': "it sets an 'auto' ρ"})}
+def _estimator_temperature_inactive(o, per_sample_temperature=False) -> dict:
+    return {**_state_inactive(o, per_sample_temperature),
+            **({} if o.rho == AUTO else {'target_negatives': "it sets an 'auto' ρ"})}
+
+
+def _per_sample_temperature_inactive(o) -> dict:
+    unread = _estimator_temperature_inactive(o, per_sample_temperature=True)
+    if o.lr_tau == 0:  # the τ's stay at their start: what their Adam steps on and with, and its bounds, go unread
+        never_stepped = "lr_tau 0 never steps the per-sample τ"
+        unread.update({k: never_stepped for k in ('rho', 'target_negatives', 'tau_min', 'tau_max', 'tau_beta1',
+                                                   'tau_beta2', 'tau_eps')})
+    return unread
 
 
 def _keeps_state(o) -> bool:
@@ -167,12 +181,9 @@ def _keeps_state(o) -> bool:
 
 
 def _sharding(o, per_sample_temperature=False):
-    """The layout of the loss's per-sample tables, or None when it keeps none (then state_layout must be 'auto')."""
+    """The layout of the loss's per-sample tables, or None when it keeps none (state_layout is inactive then)."""
     layout = resolve_state_layout(o.state_layout, o.num_samples, o.world_size)
     if not (_keeps_state(o) or per_sample_temperature):
-        if o.state_layout != 'auto':
-            raise ValueError(f"state_layout '{o.state_layout}' has nothing to lay out: with gamma = 1 this loss "
-                             f"keeps no per-sample state")
         return None
     return SampleSharding(o.num_samples, o.rank, o.world_size, layout)  # raises without the dataset size
 
@@ -245,7 +256,8 @@ DRRHO_PAPER_OPTIONS = dict(DRRHO_OPTIONS, temperature=0.01, learn_temperature=Fa
          "with distill_weight > 0, plus KD from the reference model",
     inactive=_global_temperature_and_distill_inactive)
 def drrho(o):
-    return _dro(o, reference_shift=True)
+    # reference_weight 0 is the same DRO unshifted (the ablation of the shift): it reads no reference but for KD
+    return _dro(o, reference_shift=o.reference_weight != 0)
 
 
 @register_loss(
@@ -281,7 +293,7 @@ def fastclip(o):
     # tau_* are the per-sample Adam's
     defaults=dict(ESTIMATOR_OPTIONS, temperature=0.07, gamma=0.2, gamma_decay_epochs=18, tau_min=0.01,
                   tau_max=1.0, lr_tau=0.0133, tau_beta1=0.9, tau_beta2=0.999, tau_eps=1e-8),
-    inactive=_estimator_temperature_inactive)
+    inactive=_per_sample_temperature_inactive)
 def isogclr(o):
     _check_number(o, 'temperature', "the per-sample τ's start")
     if o.lr_tau == AUTO:

@@ -50,7 +50,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                  seed: int = 0, rank: int = 0, world_size: int = 1):
         super().__init__()
         if not 0 < selection_ratio <= 1:
-            raise ValueError(f"JEST's selection ratio must be in (0, 1], got {selection_ratio}")
+            raise ValueError(f"JEST's selection_ratio must be in (0, 1], got {selection_ratio}")
         if not 1 <= num_chunks <= MAX_CHUNKS:
             raise ValueError(f"JEST's num_chunks must be 1 to {MAX_CHUNKS}, got {num_chunks}")
         self.selection_ratio = selection_ratio
@@ -74,8 +74,7 @@ class JESTLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
         selected = round(super_batch * self.selection_ratio)
         if selected < max(self.num_chunks, 2):
             raise ValueError(f"JEST keeps {selected} of a super-batch of {super_batch} per rank, fewer than "
-                             f"{max(self.num_chunks, 2)}: raise --batch-size or the selection ratio, or use fewer "
-                             f"chunks")
+                             f"{max(self.num_chunks, 2)}: raise --batch-size or selection_ratio, or lower num_chunks")
         return [len(c) for c in torch.arange(selected).tensor_split(self.num_chunks)]
 
     def _gumbel(self, scores, chunk: int):

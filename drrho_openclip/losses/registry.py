@@ -45,7 +45,8 @@ OPTION_HELP = dict(
                 "(its median anchor spreads its weight over --target-negatives negatives), then learned (held with "
                 "--lr-tau 0); it starts "
                 "far below 0.07 and lost to the 0.07 start wherever measured at drrho's default --reference-weight",
-    learn_temperature="learn the global τ from --temperature with the KL-constrained DRO objective and ρ",
+    learn_temperature="learn the global τ from --temperature (DRO losses: with the KL-constrained DRO objective and "
+                      "ρ; balanced: as the model's logit_scale, by OpenCLIP's optimiser)",
     temperature_optimizer="what learns a learned global τ: 'loss' (the loss's own Adam on log τ with --lr-tau, "
                           "bounded by --tau-min/--tau-max) or 'model' (the model's logit_scale, by OpenCLIP's "
                           "optimiser at the model's learning rate)",
@@ -83,9 +84,10 @@ OPTION_HELP = dict(
     selection_ratio="fraction of the super-batch JEST keeps",
     num_chunks="number of chunks JEST draws its selection in",
     tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled, as "
-              "create_loss is without it; a training run's default: untiled while its matrices, about 14 bytes per local x global pair, take at most a quarter "
-              "of the GPU's memory, e.g. one process up to a batch of about 39k on an 80 GB GPU, or off a GPU below "
-              "2^28 pairs, one process below 16384; 1024-column tiles beyond)",
+              "create_loss is without it; a training run's default: untiled while its matrices, about 14 bytes per "
+              "local x global pair and 34 with --distill-weight, take at most a quarter of the GPU's memory, e.g. one "
+              "process up to a batch of about 39k on an 80 GB GPU (25k with KD), or off a GPU below 14·2^28 bytes, "
+              "one process below a batch of 16384 (10k with KD); 1024-column tiles beyond)",
     state_layout="where the per-sample tables (u, per-sample τ and its Adam moments) live: 'replicated' (all N rows on "
                  "every rank) or 'sharded' (each rank holds N/W rows and saves them in per-rank files next to the "
                  "checkpoint); 'auto': sharded from 4M samples with several ranks",

@@ -159,7 +159,8 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
                  world_size: int = 1, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  steps_on_batch: bool = False):
         super().__init__()
-        if not 0 < tau_min <= tau_max or (tau_init is not None and not tau_min <= tau_init <= tau_max):
+        bounded = tau_init is None or lr != 0  # a given τ never stepped is never clamped: its bounds go unread
+        if bounded and (not 0 < tau_min <= tau_max or (tau_init is not None and not tau_min <= tau_init <= tau_max)):
             raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
         if lr is not None and lr < 0:
             raise ValueError(f"the temperature's learning rate lr_tau must be ≥ 0, got {lr}")
@@ -263,11 +264,13 @@ class PerSampleTemperature(KeepsStatePrecision, nn.Module):
     def __init__(self, sharding: SampleSharding, tau_init: float, tau_min: float, tau_max: float, lr: float,
                  beta1: float, beta2: float, eps: float):
         super().__init__()
-        if not 0 < tau_min <= tau_init <= tau_max:
+        if lr < 0:
+            raise ValueError(f"the per-sample τ's learning rate lr_tau must be ≥ 0, got {lr}")
+        if lr != 0 and not 0 < tau_min <= tau_init <= tau_max:  # τ's never stepped are never clamped
             raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
-        if lr < 0 or eps <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"the per-sample Adam needs lr ≥ 0, eps > 0 and betas in [0, 1), got lr={lr}, "
-                             f"eps={eps}, betas=({beta1}, {beta2})")
+        if lr != 0 and (eps <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1)):
+            raise ValueError(f"the per-sample τ's Adam needs tau_eps > 0 and tau_beta1, tau_beta2 in [0, 1), got "
+                             f"{eps}, {beta1}, {beta2}")
         self.sharding = sharding
         self.tau_min, self.tau_max, self.lr = tau_min, tau_max, lr
         self.beta1, self.beta2, self.eps = beta1, beta2, eps

@@ -266,8 +266,12 @@ def _warn_of_changes(saved: dict, run: Run, args, shifted_state: bool):
                for o in sorted((set(options) | set(saved_options)) - set(CHOSEN_BY_THE_RUN))
                if saved_options.get(o) != options.get(o)]
     if changed:
+        # a learned τ (isogclr's per-sample ones have no switch) is state: the checkpoint's, not a new start
+        restored = 'temperature' in options and options.get('learn_temperature', True) and \
+            saved_options.get('temperature') != options['temperature']
         logging.warning(f"{resume} was trained with other --loss {run.loss_name} options; resuming with "
-                        f"{', '.join(changed)}")
+                        f"{', '.join(changed)}" + ("; a learned τ resumes from the checkpoint's, so --temperature, "
+                                                   "the start of a new run, does not apply" if restored else ""))
 
 
 def _new_run(args, weights: dict) -> str:

@@ -51,9 +51,11 @@ def user_options() -> dict:
 
 
 def needs_reference(spec, options) -> bool:
+    distills = getattr(options, 'distill_weight', 0) > 0
     if spec.reference == 'optional':
-        return getattr(options, 'distill_weight', 0) > 0 or getattr(options, 'reference_shift', False)
-    return spec.reference == 'required'
+        return distills or getattr(options, 'reference_shift', False)
+    # drrho's reference_weight 0 is its DRO unshifted (the ablation of the shift): only KD reads the reference then
+    return spec.reference == 'required' and (distills or getattr(options, 'reference_weight', 1) != 0)
 
 
 # ---- --help ---------------------------------------------------------------------------------------------------
@@ -166,7 +168,8 @@ def check_args(args, parser) -> Run:
     unread = inactive_options(args.loss, options)
     for option in given:
         if option in unread:
-            parser.error(f"{flag(option)} has no effect for --loss {args.loss} with these flags ({unread[option]})")
+            parser.error(f"{flag(option)} has no effect for --loss {args.loss} with these flags "
+                         f"({in_flag_spelling(unread[option])})")
     supplied = spec.run_options
     warnings = []
     ignored = [f for option, f in OPENCLIP_LOSS_FLAGS.items() if getattr(args, option) and option not in supplied]
@@ -187,6 +190,7 @@ def check_args(args, parser) -> Run:
     if uses_reference and not reads_reference:
         parser.error(f"--loss {args.loss} with these options does not read reference features; drop "
                      f"--ref-features/--ref-model" + (" or set --reference-shift" if 'reference_shift' in own else "")
+                     + (" or shift by them with --reference-weight > 0" if 'reference_weight' in own else "")
                      + (" or distill from them with --distill-weight λ" if 'distill_weight' in own else ""))
     if args.ref_features is not None and args.ref_model is not None:
         parser.error("give either --ref-features or --ref-model, not both")
@@ -200,8 +204,8 @@ def check_args(args, parser) -> Run:
         try:  # under accumulation OpenCLIP hands the loss the whole window
             loss.chunk_sizes(args.batch_size * args.accum_freq)
         except ValueError as e:
-            parser.error(f"--loss {args.loss}: {e}" + (" (the super-batch is --batch-size × --accum-freq)"
-                                                       if args.accum_freq > 1 else ""))
+            parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}"
+                         + (" (the super-batch is --batch-size × --accum-freq)" if args.accum_freq > 1 else ""))
     if getattr(args, 'torchscript', False) and any(p.requires_grad for p in loss.parameters()):
         parser.error(f"--torchscript: --loss {args.loss} attaches its learnable modules (TempNet's) to the model, "
                      f"which a scripted model cannot take; drop --torchscript")
