@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Tuple
 
@@ -154,8 +155,14 @@ def _stopping_at_unreadable(batches):
     torch raises it again with the worker's traceback in its message, whose last line is the error's."""
     try:
         yield from batches
+        return
     except (UnreadableImage, UnreadableShard) as e:
-        raise SystemExit(str(e).rstrip().splitlines()[-1].split(f'{type(e).__name__}: ', 1)[-1]) from None
+        line = str(e).rstrip().splitlines()[-1].split(f'{type(e).__name__}: ', 1)[-1]
+        # torch raises it again from a frame that holds it, a reference cycle through its traceback, whose frames
+        # hold the loader's iterator: cleared, the iterator stops its worker processes now, not at the next garbage
+        # collection (at exit, one interrupted while it joins them)
+        traceback.clear_frames(e.__traceback__)
+    raise SystemExit(line)  # outside the handler: the error is not its context
 
 
 class _CsvImages(torch.utils.data.Dataset):
