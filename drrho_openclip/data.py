@@ -102,10 +102,21 @@ def shard_name_collision(urls, named=shard_name) -> Optional[Tuple[str, str]]:
     return None
 
 
+def csv_frame(path, separator, **options) -> pd.DataFrame:
+    """`pd.read_csv`, stopping with the file named where pandas cannot read it (an empty file, text that is not UTF-8,
+    a row with more fields than the header: a caption holding the separator), rather than with pandas' traceback."""
+    try:
+        return pd.read_csv(path, sep=separator, **options)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as e:
+        hint = "; save it as UTF-8" if isinstance(e, UnicodeDecodeError) else ""
+        raise SystemExit(f"{path}: cannot be read as a CSV with --csv-separator {separator!r} "
+                         f"({type(e).__name__}: {str(e).strip()}{hint})") from None
+
+
 def check_csv_columns(args, keys):
     """Stop, naming the CSV and the columns it has, unless every one of `keys` is a column of its header (a
     comma-separated file read with OpenCLIP's default tab has one column: the whole header)."""
-    columns = pd.read_csv(args.train_data, sep=args.csv_separator, nrows=0).columns
+    columns = csv_frame(args.train_data, args.csv_separator, nrows=0).columns
     for key in keys:
         if key not in columns:
             one = len(columns) == 1
@@ -116,7 +127,10 @@ def check_csv_columns(args, keys):
 
 def read_csv(args):
     check_csv_columns(args, (args.csv_img_key, args.csv_caption_key))
-    return pd.read_csv(args.train_data, sep=args.csv_separator)
+    frame = csv_frame(args.train_data, args.csv_separator)
+    if frame.empty:
+        raise SystemExit(f"{args.train_data}: no rows below its header, so no image-text samples")
+    return frame
 
 
 def common_folder(paths: Sequence) -> str:

@@ -313,6 +313,9 @@ class FeatureStore:
         short; `verify` reports such a file per shard instead)."""
         root = Path(root)
         path = root / MANIFEST
+        if root.is_file():
+            raise FeatureStoreError(f"'{root}' is a file; a reference-feature store is a folder: pass the folder "
+                                    f"that holds {MANIFEST}")
         if not root.is_dir():
             partial = partial_dir(root)
             raise FeatureStoreError(f"reference-feature directory '{root}' does not exist" + (

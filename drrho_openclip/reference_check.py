@@ -21,6 +21,7 @@ reports, before any GPU-day is spent:
 """
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -302,6 +303,9 @@ def main(argv=None) -> int:
         p.error(f"--json {args.json}: no folder '{Path(args.json).resolve().parent}' to write it in")
     if args.json and Path(args.json).is_dir():
         p.error(f"--json {args.json} is a folder: name the file to write, e.g. {Path(args.json) / 'check.json'}")
+    if args.json and Path(args.store).resolve() in Path(args.json).resolve().parents:
+        p.error(f"--json {args.json} is in the store's folder, whose files are the store's (its manifest, its "
+                f"shards): write the report outside it")
     if args.temperature is not None and not args.temperature > 0:
         p.error('--temperature must be > 0')
     if not args.reference_weight > 0:
@@ -320,9 +324,10 @@ def main(argv=None) -> int:
     except FlagConflict as e:
         p.error(str(e))
     print(format_report(report))
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(asdict(report), f, indent=1)
+    if args.json:  # whole or not at all: a report cut short would replace the previous one
+        partial = Path(f"{args.json}.partial")
+        partial.write_text(json.dumps(asdict(report), indent=1))
+        os.replace(partial, args.json)
     return 0
 
 

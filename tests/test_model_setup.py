@@ -72,6 +72,29 @@ def test_what_openclip_refuses_with_status_0_stops_at_parsing(shapes, tmp_path, 
         assert said in capsys.readouterr().err
 
 
+def test_a_resume_file_that_is_none_stops_naming_it(tmp_path, capsys):
+    """OpenCLIP's load raised after the model was built (a missing file, a folder), and torch's named no file (one
+    cut short) or advised saving it again (one that is no checkpoint)."""
+    from drrho_openclip.openclip.checkpoints import _resumed_checkpoint
+    for resume, said in ((tmp_path / 'epoch_9.pt', f"--resume {tmp_path / 'epoch_9.pt'}: no such file"),
+                         (tmp_path, f"--resume {tmp_path} is a folder: give a checkpoint file")):
+        with pytest.raises(SystemExit):
+            parse('--loss', 'sogclr', '--dataset-type', 'synthetic', '--train-num-samples', 16, '--resume', resume)
+        assert said in capsys.readouterr().err
+    parse('--loss', 'sogclr', '--dataset-type', 'synthetic', '--train-num-samples', 16, '--resume',
+          'file:///remote/epoch_1.pt')  # a URL is OpenCLIP's to fetch
+    whole = tmp_path / 'whole.pt'
+    torch.save({'epoch': 1, 'state_dict': {'w': torch.zeros(1000)}}, whole)
+    assert _resumed_checkpoint(whole)['epoch'] == 1
+    cut, text = tmp_path / 'cut.pt', tmp_path / 'notes.pt'
+    cut.write_bytes(whole.read_bytes()[:2000])
+    text.write_text('not a checkpoint')
+    for bad in (cut, text):
+        with pytest.raises(SystemExit, match=f"--resume '{bad}' cannot be read as a checkpoint \\(a checkpoint is "
+                                             f"the zip archive torch.save writes, and this file is none: cut short"):
+            _resumed_checkpoint(bad)
+
+
 @pytest.mark.parametrize('loss', ['drrho-paper', 'sogclr', 'balanced'])
 def test_an_evaluation_leaves_the_models_logit_scale_as_loaded(shapes, tmp_path, loss):
     """Training starts the logit_scale at 1/--temperature; evaluating a model (--val-data alone, e.g. of

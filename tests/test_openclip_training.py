@@ -658,6 +658,28 @@ def test_training_names_what_is_wrong_with_a_csv(shapes, tmp_path):
     assert result.returncode == 2 and f"--train-data: no such file '{missing}'" in result.stderr
 
 
+@pytest.mark.parametrize('content, message', [
+    (b'', "cannot be read as a CSV with --csv-separator '\\t' (EmptyDataError: No columns to parse from file)"),
+    (b'filepath\ttitle\na.png\tcaf\xe9\n', "(UnicodeDecodeError: "),
+    (b'filepath\ttitle\na.png\tone\nb.png\ttwo\tthree\n', "(ParserError: Error tokenizing data. C error: "
+                                                           "Expected 2 fields in line 3, saw 3"),
+])
+def test_a_csv_pandas_cannot_read_is_named_at_start_up(shapes, tmp_path, content, message):
+    """Pandas' traceback named neither the file nor, for the last, the cause: a caption holding the separator."""
+    from open_clip_train.params import parse_args
+    bad = tmp_path / 'bad.csv'
+    bad.write_bytes(content)
+    with pytest.raises(SystemExit) as stop:
+        parse_args(['--loss', 'sogclr', '--train-data', str(bad), '--dataset-type', 'csv',
+                    '--csv-caption-key', 'title'])
+    assert str(stop.value).startswith(f"{bad}: cannot be read as a CSV") and message in str(stop.value), stop.value
+    if content:  # and the same from precompute, before it loads the reference
+        with pytest.raises(SystemExit) as stop:
+            precompute.main(['--model', shapes['model'], '--train-data', bad, '--csv-caption-key', 'title',
+                             '--output', tmp_path / 'ref'])
+        assert message in str(stop.value) and not (tmp_path / 'ref.partial').exists()
+
+
 def test_precompute_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):
     lines = shapes['csv'].read_text().splitlines()
     comma = tmp_path / 'comma.csv'
@@ -667,6 +689,11 @@ def test_precompute_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):
         precompute.main(['--model', shapes['model'], '--train-data', comma, '--output', tmp_path / 'a',
                          '--workers', '0'])
     assert not (tmp_path / 'a.partial').exists()  # nothing started
+    header = tmp_path / 'header.csv'  # an IndexError before
+    header.write_text(lines[0] + '\n')
+    with pytest.raises(SystemExit, match=f"{header}: no rows below its header"):
+        precompute.main(['--model', shapes['model'], '--train-data', header, '--output', tmp_path / 'a'])
+    assert not (tmp_path / 'a.partial').exists()
     broken = tmp_path / 'broken.png'
     broken.write_bytes(b'not an image')
     rows = lines[1:9]

@@ -241,16 +241,21 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
     (['--samples', '-5'], '--samples must be at least 2 (retrieval needs candidates), not -5'),
     (['--samples', '0'], '--samples must be at least 2'),
     (['--json', 'no_such_folder/r.json'], "--json no_such_folder/r.json: no folder '"),
-    (['--json', '.'], "--json . is a folder: name the file to write, e.g. check.json")])
+    (['--json', '.'], "--json . is a folder: name the file to write, e.g. check.json"),
+    # a report over one of the store's files left the store unreadable, and the check said nothing
+    (['--json', 's/manifest.json'], "--json s/manifest.json is in the store's folder"),
+    (['--json', 's/train.features.npy'], "is in the store's folder")])
 def test_command_refuses_what_it_would_misreport_or_fail_on_at_the_end(tmp_path, capsys, monkeypatch, flags, message):
     rng = np.random.default_rng(3)
     image = unit(rng.standard_normal((50, 8)))
     store = write_store(tmp_path / 's', image, image)
     monkeypatch.chdir(tmp_path)
+    before = {f.name: f.read_bytes() for f in store.iterdir()}
     with pytest.raises(SystemExit):
         main([str(store), '--batch-size', '16', *flags])
     captured = capsys.readouterr()
     assert message in captured.err and 'retrieval (%)' not in captured.out
+    assert {f.name: f.read_bytes() for f in store.iterdir()} == before
 
 
 def test_features_command_dispatches_check(tmp_path, capsys):
@@ -270,6 +275,9 @@ def test_keys_only_store_is_refused_by_name(tmp_path, capsys):
     assert f"'{tmp_path / 'keys'}' is a keys-only store" in capsys.readouterr().out
     assert main([str(tmp_path / 'missing'), '--batch-size', '4']) == 1
     assert 'does not exist' in capsys.readouterr().out
+    assert main([str(tmp_path / 'keys' / 'manifest.json'), '--batch-size', '4']) == 1  # it does: it is no folder
+    assert (f"'{tmp_path / 'keys' / 'manifest.json'}' is a file; a reference-feature store is a folder: pass the "
+            f"folder that holds manifest.json") in capsys.readouterr().out
     (tmp_path / 'missing.partial').mkdir()  # a store being written: every reader says so (verify alone did)
     assert main([str(tmp_path / 'missing'), '--batch-size', '4']) == 1
     assert f"('{tmp_path / 'missing.partial'}' holds an unfinished one: run precompute again" in capsys.readouterr().out

@@ -17,6 +17,7 @@ import shutil
 import socket
 import time
 import uuid
+import zipfile
 from pathlib import Path
 
 import torch
@@ -80,7 +81,7 @@ def check_resumed_loss(loss, run: Run, args):
     if not args.resume or not os.path.isfile(args.resume):
         return
     loss_name = run.loss_name
-    checkpoint = _checkpoint_of(args.resume)  # read once (memory-mapped) for every check below
+    checkpoint = _resumed_checkpoint(args.resume)  # read once (memory-mapped) for every check below
     # without an epoch, a model's weights alone: OpenCLIP loads them and starts a new run, reading no loss state
     bare = 'epoch' not in checkpoint
     model = checkpoint if bare else checkpoint.get('state_dict', {})
@@ -335,6 +336,19 @@ def checkpoints_saved(run: Run, completed_epoch, checkpoint_files, args):
 def _checkpoint_of(checkpoint_file) -> dict:
     """A checkpoint file's contents, memory-mapped: its tensors are not read."""
     return torch.load(checkpoint_file, map_location='cpu', mmap=True, weights_only=False)
+
+
+def _resumed_checkpoint(checkpoint_file) -> dict:
+    """`_checkpoint_of` the file --resume names, which stops the run naming the file where it cannot be read: torch's
+    errors name neither, and for a file that is no checkpoint advise saving it again."""
+    try:
+        return _checkpoint_of(checkpoint_file)
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the file's; every rank reads it alike
+        why = (f"{type(e).__name__}: {str(e).strip().splitlines()[0]}" if zipfile.is_zipfile(checkpoint_file) else
+               "a checkpoint is the zip archive torch.save writes, and this file is none: cut short (an unfinished "
+               "copy?) or another kind of file")
+        raise SystemExit(f"drrho-openclip: --resume '{checkpoint_file}' cannot be read as a checkpoint ({why})") \
+            from None
 
 
 def _loss_state_of(checkpoint_file):

@@ -9,8 +9,9 @@ import textwrap
 from functools import lru_cache
 from typing import Optional, Tuple
 
-from ..data import (caption_mismatch, check_csv_columns, image_mismatch, input_kind, local_path, missing_local_file,
-                    moved_folders, relative_to_common_folder, sha256_of, shard_name_collision, shard_urls)
+from ..data import (caption_mismatch, check_csv_columns, csv_frame, image_mismatch, input_kind, local_path,
+                    missing_local_file, moved_folders, relative_to_common_folder, sha256_of, shard_name_collision,
+                    shard_urls)
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -162,6 +163,7 @@ def check_args(args, parser) -> Run:
                      f"{', '.join(map(flag, own)) or 'none'})")
     options = loss_options(args.loss, **given)
     _check_what_openclip_refuses_with_status_0(args, parser)
+    _check_resume_file(args, parser)
     plain_clip = args.loss == 'clip' and not options.distill_weight
     if not plain_clip:
         _check_openclip_modes(args, parser)
@@ -270,6 +272,18 @@ def _check_what_openclip_refuses_with_status_0(args, parser):
         if logs:
             parser.error(f"--name {args.name}: '{logs[0]}' exists, a run of that name: give another --name, or "
                          f"--resume latest to continue it {said}")
+
+
+def _check_resume_file(args, parser):
+    """A local --resume that is no file, found before the model is built (OpenCLIP's load raises after, with a
+    traceback); a URL is OpenCLIP's to fetch."""
+    if args.resume in (None, 'latest') or '://' in args.resume:
+        return
+    if os.path.isdir(args.resume):
+        parser.error(f"--resume {args.resume} is a folder: give a checkpoint file (e.g. "
+                     f"{os.path.join(args.resume, 'epoch_1.pt')}), or --resume latest with the run's --name")
+    if not os.path.isfile(args.resume):
+        parser.error(f"--resume {args.resume}: no such file")
 
 
 def _check_openclip_modes(args, parser):
@@ -394,9 +408,9 @@ def _training_csv(args) -> Tuple[list, str]:
 
 @lru_cache(maxsize=1)
 def _read_csv_columns(path, separator, image_key, caption_key, _version):
-    import pandas as pd
     check_csv_columns(argparse.Namespace(train_data=path, csv_separator=separator), (image_key, caption_key))
-    rows = pd.read_csv(path, sep=separator, usecols=[image_key, caption_key])
+    # every column, as OpenCLIP's CsvDataset reads it: a row it cannot split stops here, naming the file
+    rows = csv_frame(path, separator)
     return rows[image_key].tolist(), sha256_of(rows[caption_key])
 
 
