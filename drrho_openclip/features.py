@@ -79,6 +79,17 @@ DATA_EXTENSION = re.compile(r'\.(tar|tgz|tbz2?|txz|csv|tsv)(?![A-Za-z0-9])', re.
 SHARD_NAMES = 'file name without its data extension'
 
 
+def _npy_shape(path: Path) -> Optional[tuple]:
+    """The shape a .npy file's header declares, or None where it has no readable header."""
+    try:
+        with open(path, 'rb') as f:
+            major, _ = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            return tuple(read_header(f)[0])
+    except (OSError, ValueError):
+        return None
+
+
 class FeatureStoreError(ValueError):
     """A reference-feature store that cannot be used as it is; the message names the file, shard or key."""
 
@@ -350,6 +361,12 @@ class FeatureStore:
                 # a copy cut short is found here, not at the first batch that reads the shard
                 least = NPY_HEADER_BYTES + shard.count * row_bytes.get(file[len(shard.name):], 0)
                 if check_sizes and stat.st_size < least:
+                    stored = _npy_shape(root / file)
+                    if stored is not None and stored[0] == shard.count and file.endswith('.features.npy') \
+                            and stored != (shard.count, 2, store.dim):  # whole, of other features
+                        raise FeatureStoreError(f"shard '{shard.name}' of '{root}': file '{file}' has shape {stored}, "
+                                                f"the manifest says {(shard.count, 2, store.dim)}: features of "
+                                                f"another reference?")
                     raise FeatureStoreError(f"shard '{shard.name}' of '{root}': file '{file}' is cut short "
                                             f"({stat.st_size} bytes, its {shard.count} samples need at least {least}): "
                                             f"an unfinished copy? `drrho-openclip-features verify` checks the store")

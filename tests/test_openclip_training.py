@@ -18,7 +18,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, checkpoint, loss_tensors, run_openclip,
                       start_openclip, train_args)
 from drrho_openclip import precompute
-from drrho_openclip.features import FeatureStore, FeatureStoreWriter
+from drrho_openclip.features import FeatureStore, FeatureStoreError, FeatureStoreWriter
 from drrho_openclip.openclip.checkpoints import RUN_KEY, _new_run
 from drrho_openclip.losses.registry import get_loss_spec, list_losses
 
@@ -732,6 +732,12 @@ def test_corrupt_feature_file_names_the_shard(shapes, tmp_path):
     result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', broken), check=False)
     assert result.returncode == 2 and (f"shard 'train' of '{broken}': file 'train.features.npy' is cut short (200 "
                                        f"bytes, its ") in result.stderr, result.stderr[-2000:]
+    whole = np.load(shapes['ref'] / 'train.features.npy')
+    np.save(path, whole[:, :, :whole.shape[2] // 2])  # whole, of another reference: said so (it said "cut short")
+    with pytest.raises(FeatureStoreError, match=re.escape(
+            f"file 'train.features.npy' has shape {(len(whole), 2, whole.shape[2] // 2)}, the manifest says "
+            f"{whole.shape}: features of another reference?")):
+        FeatureStore.open(broken)
     path.write_bytes(b'x' * len(content))  # not a .npy file: found where the shard is read
     result = run_openclip(train_args(shapes, tmp_path, 'x', '--loss', 'drrho', '--ref-features', broken), check=False)
     assert result.returncode != 0 and "shard 'train'" in result.stderr and 'train.features.npy' in result.stderr
