@@ -164,8 +164,20 @@ def without_dropout(loss):
 
 
 def assert_same(a, b, **tol):
+    """Equal, bit for bit unless a tolerance is given; NaN where both hold it (a per-sample table marks an unvisited
+    sample so). Not for a model's weights: `assert_same_weights`."""
     import torch
     torch.testing.assert_close(a, b, equal_nan=True, **(tol or dict(rtol=0, atol=0)))
+
+
+def assert_same_weights(a, b, prefix='', **tol):
+    """Two checkpoints' models equal (`prefix`: b's DDP 'module.'), bit for bit unless a tolerance is given, and
+    finite: two runs that both diverged to NaN are not the same run."""
+    import torch
+    assert a['state_dict'].keys() == {k.removeprefix(prefix) for k in b['state_dict']}
+    for key, value in a['state_dict'].items():
+        assert not value.is_floating_point() or torch.isfinite(value).all(), f"{key} is not finite"
+        torch.testing.assert_close(value, b['state_dict'][prefix + key], **(tol or dict(rtol=0, atol=0)))
 
 
 # Plain SGD for the equivalence runs: Adam divides by √v, which turns float rounding in near-zero gradients into
@@ -177,8 +189,7 @@ SGD = ('--opt', 'timm/sgd', '--momentum', '0.9', '--lr', '0.2', '--wd', '0')
 def assert_equivalent_runs(a, b, prefix='', atol=1e-5):
     """Two runs' checkpoints (model and the loss's state) equal to float32 rounding."""
     import torch
-    for key, value in a['state_dict'].items():
-        assert_same(value, b['state_dict'][prefix + key], rtol=1e-4, atol=atol)
+    assert_same_weights(a, b, prefix, rtol=1e-4, atol=atol)
     a_state, b_state = loss_tensors(a), loss_tensors(b)
     assert a_state.keys() == b_state.keys()  # none for a loss without state
     for key in a_state:

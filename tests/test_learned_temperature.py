@@ -85,18 +85,19 @@ def test_rho_from_the_batch():
 @pytest.mark.parametrize('distill_weight', [0.0, 0.5])
 @pytest.mark.parametrize('name', ['drrho', 'fastclip'])
 def test_adam_temperature_gradient_is_the_papers(name, distill_weight):
-    """Appendix C.3 with γ = 1: the Adam's first moment after one step is G = ∂L/∂log τ = τ ∂L/∂τ of
-    L = mean_i [τ log(ε + g_i) + τ log(ε + g'_i)] + 2ρτ, by autograd of the formula; its first step moves log τ
-    by lr·G/(|G| + eps), and the next call uses the new τ. With KD (λ > 0) the same G: the loss's Adam learns τ from
-    the DRO objective alone, as the paper's τ is; KD, whose student scale is 1/τ, reaches τ only where the model's
-    logit_scale learns it (--temperature-optimizer model)."""
+    """Appendix C.3 with γ = 1: Adam on log τ with G = ∂L/∂log τ = τ ∂L/∂τ of L = mean_i [τ log(ε + g_i) +
+    τ log(ε + g'_i)] + 2ρτ, by autograd of the formula, at every step: its moments start at G and G² (NaN marks no
+    step yet), then m ← β1 m + (1−β1) G, v ← β2 v + (1−β2) G², log τ ← log τ − lr·m/(√v + eps); the next call uses
+    the new τ. With KD (λ > 0) the same G: the loss's Adam learns τ from the DRO objective alone, as the paper's τ
+    is; KD, whose student scale is 1/τ, reaches τ only where the model's logit_scale learns it
+    (--temperature-optimizer model)."""
     n, eps, rho, lr, tau0 = 7, 1e-3, 0.7, 0.02, 0.05
     g = torch.Generator().manual_seed(5)
     kd = dict(distill_weight=distill_weight, reference_logit_scale=5.0) if distill_weight else {}
     loss = create_loss(name, num_samples=n, gamma=1.0, epsilon=eps, rho=rho, temperature=tau0, lr_tau=lr,
                        learn_temperature=True, **kd).double()
     use_ref = name == 'drrho'
-    log_tau = math.log(tau0)
+    log_tau, m, v = math.log(tau0), None, None
     for step in range(3):
         image, text, ref_image, ref_text = batch(g, n)
         call(loss, image, text, ref_image, ref_text)
@@ -107,14 +108,15 @@ def test_adam_temperature_gradient_is_the_papers(name, distill_weight):
         tau = leaf.exp()
         objective = (tau * torch.log(eps + inner_mean(ell_image, tau))
                      + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
-        grad, = torch.autograd.grad(objective, leaf)
+        grad = torch.autograd.grad(objective, leaf)[0].item()
+        m = grad if m is None else 0.9 * m + 0.1 * grad  # the moments start at the first gradient
+        v = grad ** 2 if v is None else 0.999 * v + 0.001 * grad ** 2
         temperature = loss.temperature
-        if step == 0:  # the moments start at the first gradient
-            assert temperature.exp_avg.item() == pytest.approx(grad.item(), rel=1e-9)
-            assert temperature.exp_avg_sq.item() == pytest.approx(grad.item() ** 2, rel=1e-9)
-            assert temperature.log_tau.item() == pytest.approx(log_tau - lr * grad.item() / (abs(grad.item()) + 1e-8),
-                                                               rel=1e-12)
+        assert temperature.exp_avg.item() == pytest.approx(m, rel=1e-9)
+        assert temperature.exp_avg_sq.item() == pytest.approx(v, rel=1e-9)
+        assert temperature.log_tau.item() == pytest.approx(log_tau - lr * m / (math.sqrt(v) + 1e-8), rel=1e-9)
         log_tau = temperature.log_tau.item()
+    assert abs(abs(m) / math.sqrt(v) - 1) > 0.01  # the gradients differed: a sign step would move log τ by lr
 
 
 @pytest.mark.parametrize('name', ['drrho', 'fastclip'])
@@ -201,6 +203,9 @@ def test_tau_moves_by_lr_per_step_under_a_consistent_gradient_and_stops_at_its_b
     for _ in range(600):
         temperature.step(consistent_objective(temperature, slope=2.0))  # reversed: τ shrinks, down to its bound
     assert temperature.log_tau.item() == pytest.approx(math.log(0.01), rel=1e-12)
+    for _ in range(600):
+        temperature.step(consistent_objective(temperature, slope=-2.0))  # and up again, to its upper bound
+    assert temperature.log_tau.item() == pytest.approx(math.log(1.0), abs=1e-12)
     fixed = LearnedTemperature(0.07, tau_min=0.01, tau_max=1.0, lr=0.0)  # lr_tau 0: a τ that is never stepped
     tau, _ = fixed(image_features=torch.zeros(4, 2))
     fixed.step(tau.expand(4))

@@ -41,8 +41,10 @@ def test_loss_trains_through_openclip(shapes, tmp_path, config):
     log = result.stdout + result.stderr
     assert f"drrho-openclip: --loss {config.split('+')[0]}" in log
     ckpt = checkpoint(tmp_path, 'run', 1)
-    for tensor in [*ckpt['state_dict'].values(), *loss_tensors(ckpt).values()]:
-        assert not torch.isinf(tensor).any()
+    for key, tensor in ckpt['state_dict'].items():
+        assert not tensor.is_floating_point() or torch.isfinite(tensor).all(), key
+    for key, tensor in loss_tensors(ckpt).items():  # NaN marks a sample not visited yet (a table's Adam moments)
+        assert not torch.isinf(tensor).any(), key
     assert 'Loss metrics:' in log  # the loss's own diagnostics reach OpenCLIP's logger
     if config.startswith('tempnet'):
         assert any(k.startswith('loss_temperature.') for k in ckpt['state_dict'])

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, checkpoint, loss_tensors, run_openclip,
-                      start_openclip, train_args)
+from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, assert_same_weights, checkpoint, loss_tensors,
+                      run_openclip, start_openclip, train_args)
 from drrho_openclip import precompute
 from drrho_openclip.features import FeatureStore, FeatureStoreError, FeatureStoreWriter
 from drrho_openclip.openclip.checkpoints import RUN_KEY, _new_run
@@ -331,9 +331,10 @@ def test_killed_run_resumes_exactly(shapes, tmp_path, name):
     run_openclip(args('split', '--resume', 'latest'))
     a, b = checkpoint(tmp_path, 'full', 2), checkpoint(tmp_path, 'split', 2)
     a_state, b_state = loss_tensors(a), loss_tensors(b)
-    assert a['state_dict'].keys() == b['state_dict'].keys() and a_state.keys() == b_state.keys()
-    for key in a['state_dict']:  # TempNet's parameters included
-        assert_same(a['state_dict'][key], b['state_dict'][key])
+    assert a_state.keys() == b_state.keys()
+    assert_same_weights(a, b)  # TempNet's parameters included
+    epoch_1 = checkpoint(tmp_path, 'full', 1)['state_dict']  # and the second epoch trained: resumed, not restored
+    assert any(not torch.equal(value, epoch_1[key]) for key, value in a['state_dict'].items())
     for key in a_state:  # u, and isogclr's τ tables and their Adam moments
         assert_same(a_state[key], b_state[key])
     assert a['loss_state'][RUN_KEY] == b['loss_state'][RUN_KEY]
@@ -777,5 +778,4 @@ def test_loss_clip_through_the_plugin_is_openclips_own_run(shapes, tmp_path):
     assert 'patched modules: []' in result.stdout, result.stdout[-3000:]
     a, b = checkpoint(tmp_path, 'plugin', 2), checkpoint(tmp_path, 'stock', 2)
     assert 'loss_state' not in a
-    for key in a['state_dict']:
-        assert_same(a['state_dict'][key], b['state_dict'][key])
+    assert_same_weights(a, b)
