@@ -450,14 +450,47 @@ def test_adnce(sigma, with_ref):
 # TempNet (tempnet.md §2.2, §3.1)
 
 
-def tempnet_reference(net, e):
-    """τ = τ_min + (τ_max − τ_min) σ(Σ_j a_j (ω_j − 1/M) σ(ŝ_j) + c), ŝ = P̄ σ(W e + b), ω = softmax(ŝ/exp κ)."""
-    x = torch.sigmoid(e @ net.transform.weight.T + net.transform.bias)
+def tempnet_reference(net, e, mask=1.0):
+    """τ = τ_min + (τ_max − τ_min) σ(Σ_j a_j (ω_j − 1/M) σ(ŝ_j) + c), ŝ = P̄ x, x = σ(W e + b) · the dropout mask,
+    ω = softmax(ŝ/exp κ)."""
+    x = torch.sigmoid(e @ net.transform.weight.T + net.transform.bias) * mask
     P = net.prototypes / net.prototypes.norm(dim=1, keepdim=True)
     s_hat = x @ P.T
     omega = torch.softmax(s_hat / torch.exp(net.log_pool_temperature), dim=1)
     z = ((omega - 1 / P.shape[0]) * torch.sigmoid(s_hat) * net.pool.weight[0]).sum(1) + net.pool.bias[0]
     return net.tau_min + (net.tau_max - net.tau_min) * torch.sigmoid(z)
+
+
+def test_tempnet_dropout_is_keyed_by_sample_and_epoch():
+    """TempNet's dropout (rate p, the kept units scaled by 1/(1−p)) draws each sample's mask from its index and the
+    epoch: the same sample gets the same mask in any batch, order or rank, and another one the next epoch. The loss
+    applies it to each direction's σ(W e + b) while it trains, keyed by the batch's index and, for the image and
+    the text network, 2·epoch and 2·epoch + 1 (the two networks' masks differ)."""
+    from drrho_openclip.losses.temperatures import sample_keyed_dropout
+    p, n, units = 0.5, 512, 64
+    ones = torch.ones(n, units, **F64)
+    index = torch.arange(n) * 3 + 11
+    masked = sample_keyed_dropout(ones, index, 0, p)
+    assert set(masked.unique().tolist()) == {0.0, 1 / (1 - p)}
+    assert abs((masked == 0).double().mean().item() - p) < 0.02  # 32768 draws: a standard deviation of 0.003
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample_keyed_dropout(ones[order], index[order], 0, p), masked[order])
+    assert torch.equal(sample_keyed_dropout(ones[:5], index[:5], 0, p), masked[:5])
+    next_epoch = sample_keyed_dropout(ones, index, 1, p)
+    assert abs((next_epoch != masked).double().mean().item() - 2 * p * (1 - p)) < 0.02  # independent masks
+    num_samples, b, d, width = 9, 6, 6, 8
+    loss = create_loss('tempnet', num_samples=num_samples, embed_dim=d, gamma=0.8, tempnet_width=width,
+                       tempnet_prototypes=5, tau_min=0.02, tau_max=0.2).double()
+    loss.set_epoch(3)
+    image, text, _, _ = batch(torch.Generator().manual_seed(4), b, d)
+    batch_index = torch.tensor([8, 1, 5, 0, 3, 7])
+    loss(image, text, index=batch_index)
+    for side, anchors, key in (('image', image, 6), ('text', text, 7)):
+        net = getattr(loss.temperature, side)
+        mask = sample_keyed_dropout(torch.ones(b, width, **F64), batch_index, key, net.dropout)
+        assert loss.metrics()[f'tau_{side}_mean'] == pytest.approx(
+            tempnet_reference(net, anchors.detach(), mask).mean().item(), rel=1e-12)
+        assert abs(tempnet_reference(net, anchors.detach()).mean().item() - loss.metrics()[f'tau_{side}_mean']) > 1e-6
 
 
 @pytest.mark.parametrize('shift', [False, True])
