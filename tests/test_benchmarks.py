@@ -135,19 +135,22 @@ def test_shapes_fallback_preparer_builds_csvs_and_class_list(tmp_path):
     check_prepared(replication.prepare_shapes(tmp_path, n_ref=8, n_train=16, n_test=10), 8, 16, 10, num_classes=20)
 
 
-@pytest.mark.parametrize('reference, flags, reads', [
-    ('required', [], True),
-    ('none', [], False),
-    ('optional', [], False),
-    ('optional', ['--distill-weight', '0.5'], True),     # MobileCLIP-style distillation reads the reference
-    ('optional', ['--distill-weight', '0'], False),
-    ('optional', ['--rho', '3', '--reference-shift'], True),
-    ('required', ['--reference-weight', '0'], False),  # drrho unshifted, which the plugin refuses features for
-    ('required', ['--reference-weight', '0', '--distill-weight', '0.5'], True),
-    ('required', ['--reference-weight', '0', '--reference-weight', '0.25'], True),  # the last one given counts
+@pytest.mark.parametrize('argv, reads', [
+    (['--loss', 'jest'], True),
+    (['--loss', 'sogclr'], False),
+    (['--loss', 'clip'], False),
+    (['--loss', 'clip', '--distill-weight', '0.5'], True),     # MobileCLIP-style distillation reads the reference
+    (['--loss', 'clip', '--distill-weight=0.5'], True),
+    (['--loss', 'fastclip', '--distill-weight', '0'], False),
+    (['--loss', 'adnce', '--reference-shift'], True),
+    (['--loss', 'adnce', '--reference-shift', '--no-reference-shift'], False),
+    (['--loss', 'drrho'], True),
+    (['--loss', 'drrho', '--reference-weight=0'], False),  # drrho unshifted, which the plugin refuses features for
+    (['--loss', 'drrho-paper', '--reference-weight', '0', '--distill-weight', '0.5'], True),
 ])
-def test_replication_passes_reference_features_when_the_flags_read_them(reference, flags, reads):
-    assert replication.reads_reference(reference, flags) is reads
+def test_the_benchmarks_pass_reference_features_where_the_plugin_reads_them(argv, reads):
+    from drrho_openclip.openclip.flags import reads_reference
+    assert reads_reference(argv) is reads
 
 
 def test_clipart_captions_and_classes_come_from_the_path():

@@ -72,7 +72,7 @@ def test_what_openclip_refuses_with_status_0_stops_at_parsing(shapes, tmp_path, 
         assert said in capsys.readouterr().err
 
 
-def test_a_resume_file_that_is_none_stops_naming_it(tmp_path, capsys):
+def test_a_resume_file_that_is_none_stops_naming_it(tmp_path, capsys, monkeypatch):
     """OpenCLIP's load raised after the model was built (a missing file, a folder), and torch's named no file (one
     cut short) or advised saving it again (one that is no checkpoint)."""
     from drrho_openclip.openclip.checkpoints import _resumed_checkpoint
@@ -85,6 +85,9 @@ def test_a_resume_file_that_is_none_stops_naming_it(tmp_path, capsys):
           'file:///remote/epoch_1.pt')  # a URL is OpenCLIP's to fetch
     whole = tmp_path / 'whole.pt'
     torch.save({'epoch': 1, 'state_dict': {'w': torch.zeros(1000)}}, whole)
+    monkeypatch.setenv('HOME', str(tmp_path))  # '~' unexpanded (--resume=~/..., quoted), which OpenCLIP expands
+    assert parse('--loss', 'sogclr', '--dataset-type', 'synthetic', '--train-num-samples', 16,
+                 '--resume', '~/whole.pt').resume == str(whole)
     assert _resumed_checkpoint(whole)['epoch'] == 1
     cut, text = tmp_path / 'cut.pt', tmp_path / 'notes.pt'
     cut.write_bytes(whole.read_bytes()[:2000])

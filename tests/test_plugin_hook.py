@@ -185,7 +185,8 @@ def test_help_names_the_losses_that_read_each_flag_with_their_defaults():
                 default = get_loss_spec(loss).defaults[option]
                 shown = ('on' if default else 'off') if isinstance(default, bool) else str(default)
                 assert value.group(2) == shown, (loss, line)
-    assert 'Losses: drrho, drrho-paper, jest, jest-topk (required)' in lines['--ref-features']
+    assert ('Losses: drrho, drrho-paper, jest, jest-topk (required; drrho, drrho-paper at --reference-weight 0 only '
+            'with --distill-weight > 0)') in lines['--ref-features']
 
 
 @pytest.mark.parametrize('version', ['3.4.0', '3.3.1'])

@@ -59,6 +59,16 @@ def needs_reference(spec, options) -> bool:
     return spec.reference == 'required' and (distills or getattr(options, 'reference_weight', 1) != 0)
 
 
+def reads_reference(argv) -> bool:
+    """Whether a run with these plugin flags (`argv`, e.g. ['--loss', 'drrho', '--reference-weight=0']) reads
+    reference features, which the run refuses otherwise: for scripts that decide whether to pass --ref-features."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    args, _ = parser.parse_known_args([str(a) for a in argv])
+    given = {o: getattr(args, o) for o in user_options() if getattr(args, o) is not None}
+    return needs_reference(get_loss_spec(args.loss), loss_options(args.loss, **given))
+
+
 # ---- --help ---------------------------------------------------------------------------------------------------
 
 
@@ -83,7 +93,9 @@ def _reference_readers() -> str:
     optional = [n for n in list_losses() if get_loss_spec(n).reference == 'optional']
     with_distillation = [n for n in optional if 'distill_weight' in option_names(n)]
     with_shift = [n for n in optional if 'reference_shift' in option_names(n)]
-    return (f"Losses: {', '.join(required)} (required); {', '.join(with_distillation)} with --distill-weight > 0; "
+    unshifted = [n for n in required if 'reference_weight' in option_names(n)]
+    return (f"Losses: {', '.join(required)} (required; {', '.join(unshifted)} at --reference-weight 0 only with "
+            f"--distill-weight > 0); {', '.join(with_distillation)} with --distill-weight > 0; "
             f"{', '.join(with_shift)} with --reference-shift.")
 
 
@@ -279,6 +291,7 @@ def _check_resume_file(args, parser):
     traceback); a URL is OpenCLIP's to fetch."""
     if args.resume in (None, 'latest') or '://' in args.resume:
         return
+    args.resume = os.path.expanduser(args.resume)  # as OpenCLIP's fsspec reads it, and for the checks that follow
     if os.path.isdir(args.resume):
         parser.error(f"--resume {args.resume} is a folder: give a checkpoint file (e.g. "
                      f"{os.path.join(args.resume, 'epoch_1.pt')}), or --resume latest with the run's --name")
