@@ -215,7 +215,8 @@ def test_unsupported_version_fails_the_training_entry_point_and_leaves_open_clip
     result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path)
     assert 'open_clip imported: open_clip.factory' in result.stdout, result.stderr[-2000:]
     assert result.returncode != 0 and 'supports open_clip_torch 3.3.0, found 3.4.0' in result.stderr
-    assert result.stderr.count('supports open_clip_torch') == 1  # said once, by the import that failed
+    # said once, by the import that failed (Python 3.13's traceback also quotes the raise's source, unformatted)
+    assert result.stderr.count('supports open_clip_torch 3.3.0, found 3.4.0') == 1
 
 
 START_UP_FILE = Path(import_hook.__file__).resolve().parent.parent / 'drrho_openclip.pth'
@@ -224,13 +225,15 @@ START_UP_FILE = Path(import_hook.__file__).resolve().parent.parent / 'drrho_open
 def _start_up(tmp_path, package_on_path, then="print(any(type(f).__name__ == '_DeferredHook' for f in sys.meta_path))"):
     """A bare interpreter (no site-packages) that processes a site folder holding the start-up file and what an
     editable install leaves there (drrho_openclip/patches/), then runs `then`; the package itself is on its path or
-    not. `before` holds the modules imported up to the start-up file, a folder without it processed alike."""
-    site_dir, empty_dir = tmp_path / 'site', tmp_path / 'empty'
+    not. `before` holds the modules imported up to the start-up file, a folder with another .pth file processed
+    alike: what reading a .pth costs any package (Python 3.13 decodes it with encodings.utf_8_sig) is not ours."""
+    site_dir, other_dir = tmp_path / 'site', tmp_path / 'other'
     (site_dir / 'drrho_openclip' / 'patches').mkdir(parents=True)
-    empty_dir.mkdir()
+    other_dir.mkdir()
+    (other_dir / 'other.pth').write_text('# a path file of another package\n')
     shutil.copy(START_UP_FILE, site_dir)
     extra = repr(str(START_UP_FILE.parent.parent)) if package_on_path else ''
-    code = (f"import sys, site; sys.path.extend([{extra}]); site.addsitedir({str(empty_dir)!r})\n"
+    code = (f"import sys, site; sys.path.extend([{extra}]); site.addsitedir({str(other_dir)!r})\n"
             f"before = set(sys.modules); site.addsitedir({str(site_dir)!r})\n{then}\n")
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     return subprocess.run([sys.executable, '-S', '-c', code], capture_output=True, text=True, cwd=tmp_path, env=env)
