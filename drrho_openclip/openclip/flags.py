@@ -51,6 +51,11 @@ def user_options() -> dict:
     return options
 
 
+def _given_options(args) -> dict:
+    """The loss options the command line gives (the flags default to None: not given, the loss's own default)."""
+    return {o: getattr(args, o) for o in user_options() if getattr(args, o) is not None}
+
+
 def needs_reference(spec, options) -> bool:
     distills = getattr(options, 'distill_weight', 0) > 0
     if spec.reference == 'optional':
@@ -65,7 +70,7 @@ def reads_reference(argv) -> bool:
     parser = argparse.ArgumentParser(add_help=False)
     add_args(parser)
     args, _ = parser.parse_known_args([str(a) for a in argv])
-    given = {o: getattr(args, o) for o in user_options() if getattr(args, o) is not None}
+    given = _given_options(args)
     return needs_reference(get_loss_spec(args.loss), loss_options(args.loss, **given))
 
 
@@ -168,7 +173,7 @@ def check_args(args, parser) -> Run:
     values in force on `args` (so params.txt shows them), and open the stores: the run the hooks share."""
     spec = get_loss_spec(args.loss)
     own = option_names(args.loss)
-    given = {o: getattr(args, o) for o in user_options() if getattr(args, o) is not None}
+    given = _given_options(args)
     foreign = [flag(o) for o in given if o not in own]
     if foreign:
         parser.error(f"{', '.join(foreign)}: no such option for --loss {args.loss} (its options: "
