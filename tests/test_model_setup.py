@@ -72,12 +72,13 @@ def test_what_openclip_refuses_with_status_0_stops_at_parsing(shapes, tmp_path, 
         assert said in capsys.readouterr().err
 
 
-def test_a_resume_file_that_is_none_stops_naming_it(tmp_path, capsys, monkeypatch):
+def test_a_resume_that_cannot_resume_stops_naming_why(tmp_path, capsys, monkeypatch):
     """OpenCLIP's load raised after the model was built (a missing file, a folder), and torch's named no file (one
     cut short) or advised saving it again (one that is no checkpoint)."""
     from drrho_openclip.openclip.checkpoints import _resumed_checkpoint
     for resume, said in ((tmp_path / 'epoch_9.pt', f"--resume {tmp_path / 'epoch_9.pt'}: no such file"),
-                         (tmp_path, f"--resume {tmp_path} is a folder: give a checkpoint file")):
+                         (tmp_path, f"--resume {tmp_path} is a folder: give a checkpoint file"),
+                         ('latest', "--resume latest continues the run that --name names, and none is given")):
         with pytest.raises(SystemExit):
             parse('--loss', 'sogclr', '--dataset-type', 'synthetic', '--train-num-samples', 16, '--resume', resume)
         assert said in capsys.readouterr().err

@@ -180,7 +180,7 @@ def check_args(args, parser) -> Run:
                      f"{', '.join(map(flag, own)) or 'none'})")
     options = loss_options(args.loss, **given)
     _check_what_openclip_refuses_with_status_0(args, parser)
-    _check_resume_file(args, parser)
+    _check_resume(args, parser)
     plain_clip = args.loss == 'clip' and not options.distill_weight
     if not plain_clip:
         _check_openclip_modes(args, parser)
@@ -291,9 +291,12 @@ def _check_what_openclip_refuses_with_status_0(args, parser):
                          f"--resume latest to continue it {said}")
 
 
-def _check_resume_file(args, parser):
-    """A local --resume that is no file, found before the model is built (OpenCLIP's load raises after, with a
-    traceback); a URL is OpenCLIP's to fetch."""
+def _check_resume(args, parser):
+    """--resume latest without the --name of the run to continue, and a local --resume that is no file, found before
+    the model is built (OpenCLIP's load raises after, with a traceback); a URL is OpenCLIP's to fetch."""
+    if args.resume == 'latest' and not args.name:
+        parser.error("--resume latest continues the run that --name names, and none is given: OpenCLIP names each run "
+                     "by its start time, so every job would start a new run (with status 0); give --name")
     if args.resume in (None, 'latest') or '://' in args.resume:
         return
     args.resume = os.path.expanduser(args.resume)  # as OpenCLIP's fsspec reads it, and for the checks that follow
