@@ -272,9 +272,10 @@ def _atomic_save(path: Path, array: np.ndarray):
     os.replace(tmp, path)
 
 
-def _write_plan(path: Path, plan: dict):
-    tmp = _tmp_path(path)
-    tmp.write_text(json.dumps(plan, indent=1))
+def write_json(path: Path, value: dict):
+    """`value` as JSON at `path`, whole or not at all: a write cut short never replaces the file there."""
+    tmp = _tmp_path(Path(path))
+    tmp.write_text(json.dumps(value, indent=1))
     os.replace(tmp, path)
 
 
@@ -609,9 +610,9 @@ class FeatureStoreWriter:
                 raise FeatureStoreError(f"'{self.root}' holds an unfinished store written with {', '.join(differ)}: "
                                         f"resume it with the same settings, or delete it to start afresh")
             if resized != found:
-                _write_plan(path, resized)
+                write_json(path, resized)
         else:
-            _write_plan(path, {**plan, 'shard_names': SHARD_NAMES})
+            write_json(path, {**plan, 'shard_names': SHARD_NAMES})
 
     def _with_new_sizes_of_unfinished_shards(self, found: dict) -> dict:
         """The plan `found`, where a data file was replaced before its shard was written (one that stopped

@@ -20,8 +20,6 @@ reports, before any GPU-day is spent:
   else the recall below which the paper's full shift did better.
 """
 import argparse
-import json
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +27,7 @@ from typing import Dict, List
 
 import torch
 
-from .features import FeatureStore, FeatureStoreError
+from .features import FeatureStore, FeatureStoreError, write_json
 from .losses import effective_negatives, get_loss_spec, reference_margins, temperature_for_effective_negatives
 from .losses.distill import calibrated_logit_scale
 
@@ -324,10 +322,8 @@ def main(argv=None) -> int:
     except FlagConflict as e:
         p.error(str(e))
     print(format_report(report))
-    if args.json:  # whole or not at all: a report cut short would replace the previous one
-        partial = Path(f"{args.json}.partial")
-        partial.write_text(json.dumps(asdict(report), indent=1))
-        os.replace(partial, args.json)
+    if args.json:
+        write_json(args.json, asdict(report))
     return 0
 
 
