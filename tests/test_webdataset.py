@@ -63,14 +63,20 @@ def test_synthetic_data_trains_with_workers_started_by_forkserver(shapes, tmp_pa
     assert checkpoint(tmp_path, 'run', 1)['epoch'] == 1
 
 
-def test_a_shard_without_features_is_named(shapes, shards, tmp_path):
+def test_a_shard_without_features_or_file_is_named(shapes, shards, tmp_path, capsys):
+    """Both stop at parsing, before OpenCLIP creates the run: a shard the store was not written for, and a shard path
+    that is no file (a mistyped range), which is said as such rather than as a shard without features."""
+    from open_clip_train.params import parse_args
     extra_shard = shards['root'] / 'part-9.tar'
     extra_shard.write_bytes((shards['root'] / 'part-0.tar').read_bytes())
-    args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0')
-    args[1] = str(shards['root'] / 'part-{0..3}.tar') + '::' + str(extra_shard)
-    result = run_openclip(args, check=False)
-    assert result.returncode == 2 and "no reference features for shard 'part-9'" in result.stderr
-    assert not (tmp_path / 'run').exists()  # stopped at start-up, before OpenCLIP created the run
+    missing = shards['root'] / 'part-8.tar'
+    for added, said in ((extra_shard, "no reference features for shard 'part-9'"),
+                        (missing, f"--train-data: no such file '{missing}'")):
+        args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0')
+        args[1] = str(shards['root'] / 'part-{0..3}.tar') + '::' + str(added)
+        with pytest.raises(SystemExit) as stopped:
+            parse_args([str(a) for a in args])
+        assert stopped.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path):

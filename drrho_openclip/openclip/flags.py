@@ -375,8 +375,17 @@ def _check_store_covers_training_data(parser, option: str, store: FeatureStore, 
             return moved
         else:
             urls = shard_urls(args.train_data)
-            # by the names the store holds them under (those of stores written before end at the first dot)
-            collision = shard_name_collision(urls, lambda url: store.shard(shard_name(url)).name)
+
+            def stored_name(url):
+                """The name the store holds a shard under (those of stores written before end at the first dot);
+                a shard it lacks is a mistyped path where the file is missing too (stat only then: shards are many)."""
+                try:
+                    return store.shard(shard_name(url)).name
+                except FeatureStoreError:
+                    if missing_local_file([(None, url)]):
+                        parser.error(f"--train-data: no such file '{url}'")
+                    raise
+            collision = shard_name_collision(urls, stored_name)
             if collision:
                 parser.error(f"{flag(option)}: '{collision[0]}' and '{collision[1]}' in --train-data have one file "
                              f"name, and a store keys shards by file name, so both would read the first one's "
