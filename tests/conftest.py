@@ -117,6 +117,18 @@ def run_openclip(args, nproc=1, cwd=None, check=True, start_method=None):
     return result
 
 
+def refused_at_parsing(args, capsys) -> str:
+    """What OpenCLIP's parser, with the plugin's checks, says as it refuses `args` with argparse's status 2: in this
+    process, as `open_clip_train.main` parses its flags first, before it creates the run's folder or builds a model
+    (the subprocess runs elsewhere show the same through the console command)."""
+    from open_clip_train.params import parse_args
+    with pytest.raises(SystemExit) as stop:
+        parse_args([str(a) for a in args])
+    said = capsys.readouterr().err
+    assert stop.value.code == 2, (stop.value, said)
+    return said
+
+
 def _gloo_rank(rank, world_size, compute, out_dir):
     import torch
     import torch.distributed as dist

@@ -13,7 +13,7 @@ import pytest
 import torch
 import webdataset
 
-from conftest import ENV, checkpoint, run_openclip
+from conftest import ENV, checkpoint, refused_at_parsing, run_openclip
 from drrho_openclip import precompute
 from drrho_openclip.data import shard_urls
 from drrho_openclip.features import FeatureStore, first_dot_name
@@ -66,7 +66,6 @@ def test_synthetic_data_trains_with_workers_started_by_forkserver(shapes, tmp_pa
 def test_a_shard_without_features_or_file_is_named(shapes, shards, tmp_path, capsys):
     """Both stop at parsing, before OpenCLIP creates the run: a shard the store was not written for, and a shard path
     that is no file (a mistyped range), which is said as such rather than as a shard without features."""
-    from open_clip_train.params import parse_args
     extra_shard = shards['root'] / 'part-9.tar'
     extra_shard.write_bytes((shards['root'] / 'part-0.tar').read_bytes())
     missing = shards['root'] / 'part-8.tar'
@@ -74,12 +73,10 @@ def test_a_shard_without_features_or_file_is_named(shapes, shards, tmp_path, cap
                         (missing, f"--train-data: no such file '{missing}'")):
         args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0')
         args[1] = str(shards['root'] / 'part-{0..3}.tar') + '::' + str(added)
-        with pytest.raises(SystemExit) as stopped:
-            parse_args([str(a) for a in args])
-        assert stopped.value.code == 2 and said in capsys.readouterr().err
+        assert said in refused_at_parsing(args, capsys)
 
 
-def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path):
+def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path, capsys):
     """cc3m/00000.tar::cc12m/00000.tar: the store keys shards by file name, so the second would silently read the
     first one's features and per-sample state. The same shard twice (upsampling a source) reads the same one."""
     other = tmp_path / 'other'
@@ -87,11 +84,8 @@ def test_two_shards_of_one_file_name_are_refused(shapes, shards, tmp_path):
     (other / 'part-0.tar').write_bytes((shards['root'] / 'part-1.tar').read_bytes())
     args = wds_args(shapes, shards, tmp_path, 'run', '--workers', '0')
     args[1] = shards['urls'] + '::' + str(other / 'part-0.tar')
-    result = run_openclip(args, check=False)
-    assert result.returncode == 2, result.stderr[-2000:]
     assert (f"--ref-features: '{shards['root'] / 'part-0.tar'}' and '{other / 'part-0.tar'}' in --train-data have "
-            f"one file name") in result.stderr
-    assert not (tmp_path / 'run').exists()
+            f"one file name") in refused_at_parsing(args, capsys)
     result = subprocess.run([sys.executable, '-m', 'drrho_openclip.precompute', '--model', shapes['model'],
                              '--train-data', args[1], '--output', str(tmp_path / 'ref')],
                             capture_output=True, text=True, env=ENV)
@@ -342,7 +336,7 @@ def test_an_unfinished_store_planned_by_an_earlier_version_is_not_finished_under
     assert precompute.main(['--train-data', urls, *parts, '1']) == 0  # a rerun: the store is the one it writes
 
 
-def test_two_shards_that_a_store_written_before_holds_as_one_are_refused(shapes, dotted_shards, tmp_path):
+def test_two_shards_that_a_store_written_before_holds_as_one_are_refused(shapes, dotted_shards, tmp_path, capsys):
     """A store of an earlier version holds a.v2.tar as 'a': a.v3.tar, today another name, would read its features."""
     store = tmp_path / 'ref'
     assert precompute.main(['--model', shapes['model'], '--train-data', dotted_shards, '--output', store,
@@ -351,18 +345,16 @@ def test_two_shards_that_a_store_written_before_holds_as_one_are_refused(shapes,
     other = dotted_shards.replace('{a,b}.v2.tar', 'a.v3.tar')
     shutil.copy(dotted_shards.replace('{a,b}.v2.tar', 'a.v2.tar'), other)
     args = wds_args(shapes, {'urls': dotted_shards + '::' + other, 'ref': store}, tmp_path, 'run', '--workers', '0')
-    result = run_openclip(args, check=False)
-    assert result.returncode == 2 and f"'{other}' in --train-data have one file name" in result.stderr
+    assert f"'{other}' in --train-data have one file name" in refused_at_parsing(args, capsys)
 
 
-def test_environment_variables_openclip_does_not_expand_are_refused(shapes, shards, tmp_path, monkeypatch):
+def test_environment_variables_openclip_does_not_expand_are_refused(shapes, shards, tmp_path, monkeypatch, capsys):
     """With --train-data-upsampling-factors OpenCLIP reads the URLs as written (no ${VAR}), and waited forever for
     files named '${...}'; a variable in a variable's value that is not set is named, not a traceback."""
-    monkeypatch.setitem(ENV, 'WDS_SHARDS', str(shards['root']))
+    monkeypatch.setenv('WDS_SHARDS', str(shards['root']))
     args = wds_args(shapes, {**shards, 'urls': '${SHARDS}/part-{0..1}.tar::${SHARDS}/part-{2..3}.tar'}, tmp_path,
                     'run', '--workers', '0', '--dataset-resampled', '--train-data-upsampling-factors', '1::1')
-    result = run_openclip(args, check=False)
-    assert result.returncode == 2 and "OpenCLIP reads the URLs of --train-data as written" in result.stderr
+    assert "OpenCLIP reads the URLs of --train-data as written" in refused_at_parsing(args, capsys)
     if hasattr(webdataset.shardlists, 'envsubst'):
         monkeypatch.setenv('WDS_ROOT', '${BASE}/x')
         monkeypatch.delenv('WDS_BASE', raising=False)
