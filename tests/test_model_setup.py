@@ -374,3 +374,33 @@ def test_a_sharded_run_checks_that_its_ranks_share_the_checkpoint_folder_when_it
     args.world_size = 2  # rank 0 of two: the state is sharded
     plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
     assert calls == ([torch.device('meta')] if checked else [])
+
+
+@pytest.mark.parametrize('name, scale_option, key', [
+    ('jest', {}, 'reference_logit_scale.value'),  # JEST's scoring scale
+    ('clip', {'distill_weight': 0.5}, 'teacher_logit_scale.value'),  # KD's teacher scale
+])
+def test_a_reference_scale_resumes_given_or_auto_either_way(tmp_path, name, scale_option, key):
+    """'auto' keeps the scale chosen on the first batch as state, a given number keeps none: a resume that switches
+    between them is a change of options, not another run (JEST's scale, under another name than KD's, stopped the
+    run as 'the loss state of another loss')."""
+    from drrho_openclip.losses import create_loss
+    from drrho_openclip.openclip.checkpoints import check_loss_state, resolve_loss_state
+    from drrho_openclip.openclip.run import Run
+    features = torch.nn.functional.normalize(torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
+    resume = tmp_path / 'epoch_1.pt'
+    resume.write_bytes(b'')  # a local file: resumed as one
+    args = SimpleNamespace(resume=str(resume), epochs=1, model='tiny', loss=name)
+    for saved_scale, resumed_scale in (('auto', 50.0), (50.0, 'auto')):
+        saved_loss = create_loss(name, reference_logit_scale=saved_scale, **scale_option)
+        saved_loss(*features, torch.tensor(10.0), *features, index=torch.arange(16))
+        saved = saved_loss.state_dict()
+        assert (key in saved) == (saved_scale == 'auto')
+        loss = create_loss(name, reference_logit_scale=resumed_scale, **scale_option)
+        run = Run(loss_name=name, plain_clip=False)
+        check_loss_state(saved, loss, run, args, weights={})
+        loss.load_state_dict(resolve_loss_state(run, loss, saved, args))
+        if resumed_scale == 'auto':  # chosen anew on the first batch
+            assert torch.isnan(loss.state_dict()[key])
+        else:
+            assert key not in loss.state_dict()

@@ -17,7 +17,7 @@ computes and communicates.
 """
 from .balanced import BalancedClipLoss
 from .core import DROContrastiveLoss
-from .distill import TEACHER_SCALE_STATE_KEY
+from .distill import REFERENCE_SCALE_STATE_KEYS
 from .passes import compiles_for
 from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
                        float_or_auto, get_loss_spec, inactive_options, list_losses, loss_options, option_names,
@@ -36,7 +36,7 @@ __all__ = [
     'attach_to_model', 'attached_names',
     'gamma_at_epoch', 'per_sample_tables',
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',
-    'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'TEACHER_SCALE_STATE_KEY', 'load_state_shards', 'save_state_shards',
+    'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'REFERENCE_SCALE_STATE_KEYS', 'load_state_shards', 'save_state_shards',
     'AUTO', 'OPTION_HELP', 'OPTION_TYPES', 'TAU_OBJECTIVES', 'TEMPERATURE_OPTIMIZERS', 'create_loss', 'float_or_auto',
     'get_loss_spec', 'inactive_options', 'list_losses', 'loss_options', 'option_names', 'register_loss',
 ]

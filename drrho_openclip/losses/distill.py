@@ -27,10 +27,11 @@ from .collectives import check_device, gather_batch
 from .registry import AUTO
 from .temperatures import CHOICE_ANCHORS, first_anchor_similarities, log_bisection
 
-# The loss-state entry of a distilling loss's teacher scale (the core and MobileCLIP keep it as `teacher_logit_scale`;
-# a state entry only when 'auto'). It is chosen on the first batch, no state of the samples: a resume that adds KD
-# chooses it anew, one that drops KD leaves it
-TEACHER_SCALE_STATE_KEY = 'teacher_logit_scale.value'
+# The loss-state entries of a reference logit scale (`ReferenceLogitScale`; an entry only when 'auto'): KD's teacher
+# scale (the core's and MobileCLIP's `teacher_logit_scale`) and JEST's scoring scale (`reference_logit_scale`). It is
+# chosen on the first batch, no state of the samples: a resume that adds KD or switches to 'auto' chooses it anew,
+# one that drops KD or gives a number leaves it
+REFERENCE_SCALE_STATE_KEYS = frozenset({'teacher_logit_scale.value', 'reference_logit_scale.value'})
 
 # The range of an 'auto' teacher scale: CLIP's own bounds on its learned logit_scale (1 at τ = 1; 100, OpenCLIP's clamp)
 TEACHER_SCALE_RANGE = (1.0, 100.0)

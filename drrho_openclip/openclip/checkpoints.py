@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..losses import (ATTACHED_PREFIX, TEACHER_SCALE_STATE_KEY, attached_names, load_state_shards, per_sample_tables,
+from ..losses import (ATTACHED_PREFIX, REFERENCE_SCALE_STATE_KEYS, attached_names, load_state_shards, per_sample_tables,
                       save_state_shards)
 from ..losses.collectives import broadcast_object, ranks_where
 from .flags import CHOSEN_BY_THE_RUN, csv_fingerprint_as_written, flag, trains
@@ -192,11 +192,11 @@ def check_loss_state(saved: dict, loss, run: Run, args, weights: dict):
     record = saved.get(RUN_KEY)
     if record is not None:
         _stop_on_another_run(record, run, args, weights)
-    # KD added or dropped: its teacher's scale is chosen on the first batch, or left (`resolve_loss_state`)
-    own = set(loss.state_dict()) - {TEACHER_SCALE_STATE_KEY} if loss is not None else set()
+    # KD added or dropped, a reference scale 'auto' or given: chosen on the first batch, or left (`resolve_loss_state`)
+    own = set(loss.state_dict()) - REFERENCE_SCALE_STATE_KEYS if loss is not None else set()
     tables = set(per_sample_tables(loss)) if loss is not None else set()
     # a shard set stands for the per-sample tables, which a checkpoint of a replicated run holds itself
-    saved = set(saved) - {SHARDS_KEY, RUN_KEY, TEACHER_SCALE_STATE_KEY} | (tables if SHARDS_KEY in saved else set())
+    saved = set(saved) - {SHARDS_KEY, RUN_KEY} - REFERENCE_SCALE_STATE_KEYS | (tables if SHARDS_KEY in saved else set())
     # tables alone missing: the loss's own message says it, unless nothing records a run (OpenCLIP's own --loss clip,
     # whose model and optimizer differ too: torch would stop first, without the cause)
     plain = record is None and not saved
@@ -303,10 +303,11 @@ def resolve_loss_state(run: Run, loss, loss_state, args):
         check_loss_state(loss_state, None if run.plain_clip else loss, run, args, weights={})
     loss_state = {k: v for k, v in loss_state.items() if k != RUN_KEY}
     own = loss.state_dict()
-    if TEACHER_SCALE_STATE_KEY in own and TEACHER_SCALE_STATE_KEY not in loss_state:  # KD added: chosen anew
-        loss_state[TEACHER_SCALE_STATE_KEY] = own[TEACHER_SCALE_STATE_KEY]
-    if TEACHER_SCALE_STATE_KEY not in own:  # KD dropped, or its scale given: nothing to restore
-        loss_state.pop(TEACHER_SCALE_STATE_KEY, None)
+    for key in REFERENCE_SCALE_STATE_KEYS:
+        if key in own and key not in loss_state:  # KD added, or 'auto' where a number was given: chosen anew
+            loss_state[key] = own[key]
+        if key not in own:  # KD dropped, or the scale given: nothing to restore
+            loss_state.pop(key, None)
     manifest = loss_state.get(SHARDS_KEY)
     if manifest is None:
         return loss_state
