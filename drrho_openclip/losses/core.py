@@ -28,7 +28,8 @@ from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import ReferenceLogitScale, distillation_loss
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
-from .state import MovingAverageState, SampleSharding, check_same_window, per_sample_tables
+from .state import (MovingAverageState, SampleSharding, check_same_window, missing_state_message,
+                    per_sample_tables)
 from .temperatures import rho_for_batch
 from .tiled import negative_weight_entropy
 
@@ -149,10 +150,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         tables = per_sample_tables(self)
         missing = [key for key in tables if key not in state_dict]
         if missing:
-            raise RuntimeError(
-                f"the checkpoint holds no per-sample state ({', '.join(missing)}) for this loss, so resuming would "
-                f"silently restart the SogCLR estimators (u) or per-sample temperatures; resume from a checkpoint "
-                f"written with the same --loss and --gamma < 1")
+            raise RuntimeError(missing_state_message(missing))
         state_dict = dict(state_dict)
         for key, (_, sharding) in tables.items():
             saved = state_dict[key].numel()

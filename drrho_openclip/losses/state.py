@@ -202,6 +202,15 @@ class SampleSharding:
             table[target] = torch.where(owned, packed[:, k].to(table.dtype), other)
 
 
+def missing_state_message(missing, where: str = '') -> str:
+    """Why a resume without some of the loss's per-sample tables (`missing`, their state keys) stops. They are the
+    tables of the loss and options in force (isogclr keeps its τ tables at γ = 1 too), which a checkpoint of another
+    loss or other options lacks."""
+    return (f"the checkpoint holds no per-sample state ({', '.join(missing)}) for this loss{where}, so resuming would "
+            f"silently restart its per-sample estimates (the SogCLR estimators u, per-sample temperatures and their "
+            f"moments); resume from a checkpoint written with the same --loss and options")
+
+
 def per_sample_tables(module: nn.Module) -> dict:
     """{state_dict key: (the module holding it, its SampleSharding)} of every per-sample table in `module`."""
     found = {}
@@ -382,8 +391,7 @@ def load_state_shards(loss, directory, manifest: dict) -> dict:
                            f"{sharding.num_samples}: resume with the same training data")
     missing = sorted(set(tables) - set(manifest['tables']))
     if missing:
-        raise RuntimeError(f"the checkpoint holds no per-sample state ({', '.join(missing)}) for this loss in "
-                           f"'{directory}': resume from a checkpoint written with the same --loss and --gamma < 1")
+        raise RuntimeError(missing_state_message(missing, f" in '{directory}'"))
     paths = [directory / shard_file_name(r, saved_world) for r in range(saved_world)]
     absent = [p for p in paths if not p.is_file()]
     if absent:
