@@ -309,3 +309,34 @@ def test_a_loss_cast_to_16_bits_keeps_its_learned_state_at_its_precision():
         assert {k: v.dtype for k, v in loss.half().state_dict().items()} == dtypes
     assert {v.dtype for v in create_loss('sogclr', num_samples=16, gamma=0.5).double().state_dict().values()} == {
         torch.float64}
+
+
+@pytest.mark.parametrize('name', ['drrho', 'isogclr'])
+def test_a_batch_with_a_non_finite_value_skips_the_temperature_step(name):
+    """A broken sample or an fp16 overflow: GradScaler skips the model's step, and τ's own Adam skips its own. Stepped,
+    τ (isogclr: each τ_i of the batch) and its moments stayed NaN, and so did every later loss that read them."""
+    n = 16
+    g = torch.Generator().manual_seed(3)
+    batches = [list(batch(g, n)) for _ in range(3)]
+    batches[1][0] = batches[1][0].clone()
+    batches[1][0][0] = float('nan')
+    loss = create_loss(name, num_samples=n, gamma=0.5).double()
+    loss.set_total_steps(len(batches))
+    reference = {} if name == 'drrho' else {'ref_image': None, 'ref_text': None}
+    states = []
+    for epoch, (image, text, ref_image, ref_text) in enumerate(batches):
+        loss.set_epoch(epoch)
+        value = call(loss, image, text, **{'ref_image': ref_image, 'ref_text': ref_text, **reference})
+        assert torch.isfinite(value) != (epoch == 1)
+        states.append({k: v.clone() for k, v in loss.temperature.state_dict().items()})
+    for key, before in states[0].items():
+        assert torch.isfinite(before).all() and torch.isfinite(states[1][key]).all(), key
+        if key.startswith(('log_tau', 'tau_')):  # and learning again
+            assert torch.isfinite(states[2][key]).all() and not torch.equal(states[2][key], states[1][key]), key
+    # skipped where the NaN reached: the global τ's step; isogclr's image 0 and every text anchor (image 0 is among
+    # each text's candidates), where the other images' τ_i stepped
+    skipped = {'log_tau': ...} if name == 'drrho' else {'tau_image': slice(0, 1), 'tau_text': slice(None)}
+    for key, rows in skipped.items():
+        assert torch.equal(states[1][key][rows], states[0][key][rows]), key
+    if name == 'isogclr':
+        assert (states[1]['tau_image'][1:] != states[0]['tau_image'][1:]).all()

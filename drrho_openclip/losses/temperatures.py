@@ -237,10 +237,13 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
         grad = all_reduce(grad.detach().clone(), self.world_size, objective.device) / self.world_size
         with torch.no_grad():
             m, v = adam_moments(self.exp_avg, self.exp_avg_sq, grad.to(self.log_tau), self.beta1, self.beta2)
-            self.exp_avg.copy_(m)
-            self.exp_avg_sq.copy_(v)
-            step = self.lr * m / (v.sqrt() + self.eps)
-            self.log_tau.copy_((self.log_tau - step).clamp(math.log(self.tau_min), math.log(self.tau_max)))
+            log_tau = (self.log_tau - self.lr * m / (v.sqrt() + self.eps)).clamp(math.log(self.tau_min),
+                                                                                 math.log(self.tau_max))
+            # a batch with a non-finite value (an fp16 overflow, a broken sample) skips the step, as GradScaler
+            # skips the model's: stepped, τ and its moments would stay NaN for the rest of the run
+            finite = torch.isfinite(grad)
+            for state, new in ((self.exp_avg, m), (self.exp_avg_sq, v), (self.log_tau, log_tau)):
+                state.copy_(torch.where(finite, new, state))
 
 
 class PerSampleTemperature(KeepsStatePrecision, nn.Module):
@@ -297,9 +300,13 @@ class PerSampleTemperature(KeepsStatePrecision, nn.Module):
         return self._rows[1], self._rows[2]
 
     def _adam(self, moments, tau, grad):
-        m, v = adam_moments(*(x.to(grad) for x in moments), grad, self.beta1, self.beta2)
-        tau = (tau.to(grad) - self.lr * m / (v.sqrt() + self.eps)).clamp(self.tau_min, self.tau_max)
-        return [tau, m, v]
+        old = [tau.to(grad), *(x.to(grad) for x in moments)]
+        m, v = adam_moments(old[1], old[2], grad, self.beta1, self.beta2)
+        new = [(old[0] - self.lr * m / (v.sqrt() + self.eps)).clamp(self.tau_min, self.tau_max), m, v]
+        # a sample whose G is not finite (a broken sample, an fp16 overflow) keeps its τ_i, m_i and v_i: stepped,
+        # they would stay NaN, and so would its loss at every later visit
+        finite = torch.isfinite(grad)
+        return [torch.where(finite, n, o) for n, o in zip(new, old)]
 
     def step(self, objective: torch.Tensor):
         """One Adam step on the rows of the last forward; `objective` holds the per-anchor terms of that call."""
