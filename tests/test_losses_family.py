@@ -365,11 +365,17 @@ def test_clip_keeps_openclips_positional_output_dict():
     assert set(create_loss('clip')(image, text, torch.tensor(20.0), True)) == {'contrastive_loss'}
 
 
-def test_a_loss_without_gradients_in_training_mode_points_to_eval_mode():
+@pytest.mark.parametrize('name', ['drrho', 'sogclr', 'isogclr', 'tempnet'])
+def test_a_loss_without_gradients_in_training_mode_points_to_eval_mode(name):
+    """Refused before it writes anything: the learned τ's refusal came after u was written (and an 'auto' τ chosen),
+    and a loss with u alone wrote it without a word."""
     image, text, ref_image, ref_text = make_batch(3, 10)
-    loss = build('drrho')
+    loss = build(name, num_samples=10, gamma=0.5)
+    before = tables(loss)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"or put it in eval mode \(loss.eval\(\)\)"):
         call(loss, image, text, None, torch.arange(10), ref_image, ref_text)
+    for key, value in tables(loss).items():
+        assert torch.equal(value.nan_to_num(-7.0), before[key].nan_to_num(-7.0)), key
 
 
 # ---------------------------------------------------------------------------------------------------------------

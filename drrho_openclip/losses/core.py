@@ -97,7 +97,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     ):
         super().__init__()
         if positive_in_denominator != (epsilon is None):
-            raise ValueError("give epsilon > 0, or positive_in_denominator (which takes ε's place), not both")
+            raise ValueError("give one of epsilon > 0 and positive_in_denominator (which takes ε's place), got "
+                             + ("both" if epsilon is not None else "neither"))
         if epsilon is not None and epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
         if rho is None and target_negatives is None:
@@ -205,6 +206,12 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         elif self.distill_weight > 0:
             self.require_reference(ref_image_features, ref_text_features, "distills from the reference model")
         check_eval_call(self, accum_step)
+        if self.training and not torch.is_grad_enabled() and (self.sharding is not None
+                                                               or hasattr(self.temperature, 'step')):
+            # refused before any state is written: a training call updates u and steps τ from its gradient
+            raise RuntimeError("a loss in training mode learns from each call (per-sample u, τ): call it with "
+                               "gradients enabled, or put it in eval mode (loss.eval()) to score a batch without "
+                               "learning")
         device = image_features.device
         for part in (self.state, self.temperature):
             if getattr(part, 'sharding', None) is not None:
