@@ -15,13 +15,23 @@ from .features import shard_name
 IMAGE_EXTENSIONS = ('jpg', 'png', 'jpeg', 'webp')  # those OpenCLIP's WebDataset pipeline reads, in its order
 
 
-def input_kind(train_data, dataset_type: str = 'auto') -> str:
-    """'csv', 'synthetic' or 'webdataset': `dataset_type`, or for 'auto' what OpenCLIP makes of `train_data` (a
-    .csv/.tsv file is a CSV, anything else WebDataset shards; several sources joined by '::')."""
+def input_kind(train_data, dataset_type: str = 'auto') -> Optional[str]:
+    """'csv', 'synthetic' or 'webdataset': `dataset_type`, or for 'auto' what OpenCLIP 3.3's get_dataset_fn makes of
+    `train_data`: the text after its last dot, as written ('csv' or 'tsv': a CSV; 'tar': WebDataset shards, several
+    sources joined by '::' included). OpenCLIP refuses any other ending, which raises a ValueError here that names
+    it. None without data (an evaluation)."""
     if dataset_type != 'auto':
         return dataset_type
-    extension = str(train_data or '').split('::')[0].rsplit('.', 1)[-1].lower()
-    return 'csv' if extension in ('csv', 'tsv') else 'webdataset'
+    if train_data is None:
+        return None
+    extension = str(train_data).split('.')[-1]
+    if extension in ('csv', 'tsv'):
+        return 'csv'
+    if extension == 'tar':
+        return 'webdataset'
+    raise ValueError(f"--train-data '{train_data}': --dataset-type auto tells the data's type by the text after its "
+                     f"last dot, as OpenCLIP does ('csv', 'tsv' or 'tar'), and this ends in '{extension}': give "
+                     f"--dataset-type webdataset or csv")
 
 
 def add_data_args(p, required: bool):
@@ -35,9 +45,12 @@ def add_data_args(p, required: bool):
 
 
 def resolve_dataset_type(args):
-    """`args` with --dataset-type auto resolved by `input_kind`."""
+    """`args` with --dataset-type auto resolved by `input_kind` (one it cannot resolve stops, naming the data)."""
     if args.train_data:
-        args.dataset_type = input_kind(args.train_data, args.dataset_type)
+        try:
+            args.dataset_type = input_kind(args.train_data, args.dataset_type)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     return args
 
 

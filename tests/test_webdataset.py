@@ -465,5 +465,29 @@ def test_a_stream_that_fails_partway_stops_precompute(shapes, shards, tmp_path):
     failed: stored, training read others and stopped at a sample the store lacked."""
     url = f"pipe:head -c 30000 {shards['root'] / 'part-1.tar'}; exit 3"
     with pytest.raises(SystemExit, match=r"failed after \d+ samples .*run again once it reads"):
-        precompute.main(['--model', shapes['model'], '--train-data', url, '--output', tmp_path / 'ref',
-                         '--workers', '0'])
+        precompute.main(['--model', shapes['model'], '--train-data', url, '--dataset-type', 'webdataset',
+                         '--output', tmp_path / 'ref', '--workers', '0'])
+
+
+def test_the_data_type_is_told_as_openclip_tells_it(shapes, tmp_path, capsys):
+    """--dataset-type auto: by the text after the last dot of the whole --train-data, as OpenCLIP 3.3's get_dataset_fn
+    does (it took the first '::' source's, and any case, and called every other ending WebDataset shards). An ending
+    OpenCLIP refuses, after building the model, stops at parsing."""
+    from open_clip_train.data import get_csv_dataset, get_dataset_fn, get_wds_dataset
+    from drrho_openclip.data import input_kind
+    kinds = {get_csv_dataset: 'csv', get_wds_dataset: 'webdataset'}
+    for data in ('train.csv', 'a/b.v2.tsv', 'part-{0..3}.tar', 'x.tsv::y.tar', 'x.tar::y.csv', 'TRAIN.CSV',
+                 'pipe:aws s3 cp s3://b/part-0.tar -', 'shards/part-0', 'https://host/x.tar?download=1'):
+        try:
+            openclip = kinds[get_dataset_fn(data, 'auto')]
+        except ValueError:
+            openclip = ValueError
+        try:
+            ours = input_kind(data)
+        except ValueError as e:
+            ours = ValueError
+            assert f"--train-data '{data}'" in str(e) and '--dataset-type webdataset or csv' in str(e)
+        assert ours == openclip, data
+    args = wds_args(shapes, {'urls': 'pipe:cat part-0.tar -', 'ref': tmp_path}, tmp_path, 'run')
+    args[args.index('--dataset-type') + 1] = 'auto'
+    assert "and this ends in 'tar -': give --dataset-type webdataset or csv" in refused_at_parsing(args, capsys)

@@ -243,7 +243,11 @@ def check_args(args, parser) -> Run:
         parser.error("--train-data-upsampling-factors: with it OpenCLIP reads the URLs of --train-data as written, "
                      "without webdataset's ${VAR} substitution, and would look for files named '${...}' forever: "
                      "write the paths out")
-    csv = trains(args) and input_kind(args.train_data, args.dataset_type) == 'csv'
+    try:  # OpenCLIP's own refusal comes after the model is built, as a traceback
+        kind = input_kind(args.train_data, args.dataset_type) if trains(args) else None
+    except ValueError as e:
+        parser.error(str(e))
+    csv = kind == 'csv'
     if csv and missing_local_file([(None, args.train_data)]):
         parser.error(f"--train-data: no such file '{args.train_data}'")
     reference_store = None
