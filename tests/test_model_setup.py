@@ -404,3 +404,13 @@ def test_a_reference_scale_resumes_given_or_auto_either_way(tmp_path, name, scal
             assert torch.isnan(loss.state_dict()[key])
         else:
             assert key not in loss.state_dict()
+
+
+def test_the_run_supplies_every_run_option_a_loss_can_take():
+    """A run option added to the registry and not to the boundary's values was a KeyError at start-up."""
+    from drrho_openclip.losses.registry import RUN_OPTION_DEFAULTS
+    from drrho_openclip.openclip.flags import loss_run_options
+    args = parse('--loss', 'sogclr', '--dataset-type', 'synthetic', '--train-num-samples', 16, '--seed', 5)
+    values = loss_run_options(args, tuple(RUN_OPTION_DEFAULTS), num_samples=16, rank=1, world_size=2, embed_dim=8)
+    assert values == dict(num_samples=16, rank=1, world_size=2, embed_dim=8, local_loss=False,
+                          gather_with_grad=False, seed=5)

@@ -56,6 +56,14 @@ def _given_options(args) -> dict:
     return {o: getattr(args, o) for o in user_options() if getattr(args, o) is not None}
 
 
+def loss_run_options(args, supplied, num_samples: int, rank: int, world_size: int, embed_dim: int) -> dict:
+    """The values of the run options (RUN_OPTION_DEFAULTS) a loss takes from the run (`supplied`, its spec's
+    run_options): the sizes given, OpenCLIP's own flags read from `args`."""
+    values = dict(num_samples=num_samples, rank=rank, world_size=world_size, embed_dim=embed_dim,
+                  local_loss=args.local_loss, gather_with_grad=args.gather_with_grad, seed=args.seed)
+    return {option: values[option] for option in supplied}
+
+
 def needs_reference(spec, options) -> bool:
     distills = getattr(options, 'distill_weight', 0) > 0
     if spec.reference == 'optional':
@@ -195,10 +203,9 @@ def check_args(args, parser) -> Run:
     if ignored:
         warnings.append(f"drrho-openclip: --loss {args.loss} does not read {' and '.join(ignored)}: its anchors are "
                         f"always the local samples and its candidates the global batch, gathered with gradient")
-    stand_in = dict(num_samples=1, rank=0, world_size=1, embed_dim=1, local_loss=args.local_loss,
-                    gather_with_grad=args.gather_with_grad, seed=args.seed)
     try:  # the loss's own checks, on a stand-in of the run's sizes
-        loss = create_loss(args.loss, **given, **{o: stand_in[o] for o in supplied})
+        loss = create_loss(args.loss, **given, **loss_run_options(args, supplied, num_samples=1, rank=0,
+                                                                   world_size=1, embed_dim=1))
     except ValueError as e:
         parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
     reads_reference = needs_reference(spec, options)

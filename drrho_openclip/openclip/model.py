@@ -10,7 +10,7 @@ from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveL
                       attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec,
                       inactive_options, rho_for_batch)
 from .checkpoints import check_checkpoint_folder_shared, check_resumed_loss
-from .flags import trains
+from .flags import loss_run_options, trains
 from .reference import OnlineReference
 from .run import Run
 
@@ -68,12 +68,12 @@ def configure_model(run: Run, model, args):
         options['tile_size'] = auto_tile_size(local_batch, local_batch * args.world_size, device,
                                               distills=options.get('distill_weight', 0) > 0)
     supplied = get_loss_spec(run.loss_name).run_options
-    from_run = dict(num_samples=run.sample_index_size, rank=args.rank, world_size=args.world_size,
-                    local_loss=args.local_loss, gather_with_grad=args.gather_with_grad, seed=args.seed)
+    embed_dim = 0
     if 'embed_dim' in supplied:
         import open_clip
-        from_run['embed_dim'] = open_clip.get_model_config(args.model)['embed_dim']
-    loss = build(run.loss_name, **options, **{o: from_run[o] for o in supplied})
+        embed_dim = open_clip.get_model_config(args.model)['embed_dim']
+    loss = build(run.loss_name, **options, **loss_run_options(args, supplied, run.sample_index_size, args.rank,
+                                                              args.world_size, embed_dim))
     check_resumed_loss(loss, run, args)
     sharding = getattr(loss, 'sharding', None)
     if 'state_layout' in options and sharding is not None:
