@@ -19,10 +19,10 @@ reference=None, negative_log_weight=None) -> (log_g_image, log_g_text)`:
 
 How this one spends its time. With the shift, d_ij = s_ij − s^ref_ij = [x_i, x^ref_i]·[y_j, −y^ref_j] is one matrix
 product of the concatenated features (no second b×B matrix, no subtraction pass). Forward keeps that one matrix d
-(float32) and three numbers per row (log-sum-exp, Σ_j p_ij, the τ-slope); backward recomputes the softmax from them
-and writes the gradient straight in the features' dtype, for the two products with the features. When one process
-holds the whole batch both directions read the same d (the text rows are its columns), and backward writes one
-gradient for both. Everything over the b×B matrix is a pass of `passes.py`, compiled on CUDA.
+(float32) and two numbers per row (log-sum-exp and Σ_j p_ij; the τ-slope is an output only); backward recomputes
+the softmax from them and writes the gradient straight in the features' dtype, for the two products with the
+features. When one process holds the whole batch both directions read the same d (the text rows are its columns),
+and backward writes one gradient for both. Everything over the b×B matrix is a pass of `passes.py`, compiled on CUDA.
 
 Log-weights (ADNCE's) are a function of the raw similarities, d itself without a reference. Where the passes are
 compiled, they are evaluated inside the passes that read them, forward and again in backward: the kernels compute
