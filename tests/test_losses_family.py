@@ -441,3 +441,39 @@ def test_tiled_aggregate_gives_the_same_loss(case):
         results.append([out, *torch.autograd.grad(out, [i, t])] + [v for v in loss.state_dict().values()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize('name', list_losses())
+def test_whether_a_loss_reads_reference_features_is_what_it_does(name):
+    """The registry's answer (which the run's flags check and the benchmarks ask) against the built loss: one that
+    reads them refuses a batch without, one that does not trains the same whatever reference it is given."""
+    from drrho_openclip.losses import loss_options, reads_reference_features
+    own = option_names(name)
+    variants = [{}]
+    for option, values in (('distill_weight', (0.5,)), ('reference_weight', (0.0,)), ('reference_shift', (True,))):
+        if option in own:
+            variants += [{**v, option: value} for v in list(variants) for value in values]
+    image, text, ref_image, ref_text = make_batch(4, 10)
+    spec = get_loss_spec(name)
+    run = {k: v for k, v in dict(num_samples=10, embed_dim=image.shape[1]).items() if k in spec.run_options}
+    checked = []
+    for variant in variants:
+        try:
+            reads = reads_reference_features(name, loss_options(name, **variant))
+            losses = [create_loss(name, **variant, **run) for _ in range(2) if torch.manual_seed(0)]  # TempNet's init
+        except ValueError:  # a combination the loss refuses (an option these options leave unread)
+            continue
+        for loss in losses:
+            if hasattr(loss, 'set_total_steps'):
+                loss.set_total_steps(100)
+        checked.append(reads)
+        if reads:
+            with pytest.raises(ValueError, match='the batch carries no reference features'):
+                call(losses[0], image, text, torch.tensor(20.0), torch.arange(10), None, None)
+        else:
+            outs = [call(loss, image, text, torch.tensor(20.0), torch.arange(10), *reference)
+                    for loss, reference in zip(losses, [(None, None), (ref_image, ref_text)])]
+            assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0]), variant
+    # both answers where the options decide it: KD, drrho's reference_weight 0, an optional reference shift
+    assert set(checked) == ({True} if spec.reference == 'required' and name.startswith('jest') else
+                            {False} if spec.reference == 'none' else {True, False}), checked

@@ -21,7 +21,7 @@ from .distill import REFERENCE_SCALE_STATE_KEYS
 from .passes import compiles_for
 from .registry import (AUTO, OPTION_HELP, OPTION_TYPES, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, create_loss,
                        float_or_auto, get_loss_spec, inactive_options, list_losses, loss_options, option_names,
-                       register_loss)
+                       reads_reference_features, register_loss)
 from .state import (STATE_LAYOUTS, MovingAverageState, gamma_at_epoch, load_state_shards, per_sample_tables,
                     save_state_shards)
 from .temperatures import (ATTACHED_PREFIX, FixedTemperature, LearnedTemperature, LogitScaleTemperature,
@@ -38,5 +38,6 @@ __all__ = [
     'effective_negatives', 'reference_margins', 'rho_for_batch', 'temperature_for_effective_negatives',
     'STATE_LAYOUTS', 'DEFAULT_TILE_SIZE', 'REFERENCE_SCALE_STATE_KEYS', 'load_state_shards', 'save_state_shards',
     'AUTO', 'OPTION_HELP', 'OPTION_TYPES', 'TAU_OBJECTIVES', 'TEMPERATURE_OPTIMIZERS', 'create_loss', 'float_or_auto',
-    'get_loss_spec', 'inactive_options', 'list_losses', 'loss_options', 'option_names', 'register_loss',
+    'get_loss_spec', 'inactive_options', 'list_losses', 'loss_options', 'option_names',
+    'reads_reference_features', 'register_loss',
 ]

@@ -245,19 +245,29 @@ DRRHO_OPTIONS = dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsi
 DRRHO_PAPER_OPTIONS = dict(DRRHO_OPTIONS, temperature=0.01, learn_temperature=False, reference_weight=1.0)
 
 
+def _shifts(o) -> bool:
+    """reference_weight 0 is the same DRO unshifted (the ablation of the shift): it reads no reference but for KD."""
+    return o.reference_weight != 0
+
+
+def _drrho_reads_reference(o) -> bool:
+    return _shifts(o) or o.distill_weight > 0
+
+
 @register_loss(
     'drrho-paper', reference='required', run_options=STATEFUL, defaults=DRRHO_PAPER_OPTIONS,
+    reads_reference=_drrho_reads_reference,
     help="DRRho-CLIP in the paper's main setting: drrho with the full shift (reference_weight 1) at a fixed τ = 0.01, "
          "tuned for global batches of 5120 and more with a strong reference",
     inactive=_global_temperature_and_distill_inactive)
 @register_loss(
     'drrho', reference='required', run_options=STATEFUL, defaults=DRRHO_OPTIONS,
+    reads_reference=_drrho_reads_reference,
     help="DRRho-CLIP: KL-DRO over the RHO-shifted pairwise loss, SogCLR estimator (Wei et al., 2025); "
          "with distill_weight > 0, plus KD from the reference model",
     inactive=_global_temperature_and_distill_inactive)
 def drrho(o):
-    # reference_weight 0 is the same DRO unshifted (the ablation of the shift): it reads no reference but for KD
-    return _dro(o, reference_shift=o.reference_weight != 0)
+    return _dro(o, reference_shift=_shifts(o))
 
 
 @register_loss(

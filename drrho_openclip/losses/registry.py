@@ -104,6 +104,7 @@ class LossSpec:
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
     run_options: Tuple[str, ...] = DISTRIBUTED      # the options of RUN_OPTION_DEFAULTS the training run supplies
     inactive: Callable = None                       # options -> {option: why it has no effect with these options}
+    reads_reference: Callable = None                # options -> bool, where 'required' depends on the options
 
     @property
     def stateful(self) -> bool:
@@ -114,7 +115,8 @@ class LossSpec:
 _LOSSES: Dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, help: str, defaults=None, reference='none', run_options=DISTRIBUTED, inactive=None):
+def register_loss(name: str, help: str, defaults=None, reference='none', run_options=DISTRIBUTED, inactive=None,
+                  reads_reference=None):
     """Decorator registering `factory(options) -> nn.Module` under `name`."""
     def wrap(factory):
         if name in _LOSSES:
@@ -126,7 +128,8 @@ def register_loss(name: str, help: str, defaults=None, reference='none', run_opt
         both = sorted(set(run_options) & set(defaults or {}))
         if both:
             raise ValueError(f"loss '{name}': {', '.join(both)} are run options, not the user's")
-        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, tuple(run_options), inactive)
+        _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, tuple(run_options), inactive,
+                                 reads_reference)
         return factory
     return wrap
 
@@ -171,6 +174,18 @@ def inactive_options(name: str, options: SimpleNamespace) -> Dict[str, str]:
     """{option: why it has no effect} for the options of a loss that these `options` (`loss_options`) leave unread."""
     spec = get_loss_spec(name)
     return dict(spec.inactive(options)) if spec.inactive else {}
+
+
+def reads_reference_features(name: str, options: SimpleNamespace) -> bool:
+    """Whether the loss `name` built with `options` (`loss_options`) reads the batch's reference features: an
+    'optional' one where it distills or shifts by the reference, a 'required' one as its spec says (always, unless
+    its `reads_reference` says otherwise)."""
+    spec = get_loss_spec(name)
+    if spec.reference == 'optional':
+        return getattr(options, 'distill_weight', 0) > 0 or getattr(options, 'reference_shift', False)
+    if spec.reference == 'required':
+        return spec.reads_reference(options) if spec.reads_reference else True
+    return False
 
 
 def create_loss(name: str, **overrides):

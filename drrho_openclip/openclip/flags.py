@@ -15,7 +15,7 @@ from ..data import (caption_mismatch, check_csv_columns, csv_frame, image_mismat
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
-                      option_names, per_sample_tables)
+                      option_names, per_sample_tables, reads_reference_features)
 from .reference import built_model, pretrained_problem
 from .run import Run
 
@@ -64,14 +64,6 @@ def loss_run_options(args, supplied, num_samples: int, rank: int, world_size: in
     return {option: values[option] for option in supplied}
 
 
-def needs_reference(spec, options) -> bool:
-    distills = getattr(options, 'distill_weight', 0) > 0
-    if spec.reference == 'optional':
-        return distills or getattr(options, 'reference_shift', False)
-    # drrho's reference_weight 0 is its DRO unshifted (the ablation of the shift): only KD reads the reference then
-    return spec.reference == 'required' and (distills or getattr(options, 'reference_weight', 1) != 0)
-
-
 def reads_reference(argv) -> bool:
     """Whether a run with these plugin flags (`argv`, e.g. ['--loss', 'drrho', '--reference-weight=0']) reads
     reference features, which the run refuses otherwise: for scripts that decide whether to pass --ref-features."""
@@ -79,7 +71,7 @@ def reads_reference(argv) -> bool:
     add_args(parser)
     args, _ = parser.parse_known_args([str(a) for a in argv])
     given = _given_options(args)
-    return needs_reference(get_loss_spec(args.loss), loss_options(args.loss, **given))
+    return reads_reference_features(args.loss, loss_options(args.loss, **given))
 
 
 # ---- --help ---------------------------------------------------------------------------------------------------
@@ -208,7 +200,7 @@ def check_args(args, parser) -> Run:
                                                                    world_size=1, embed_dim=1))
     except ValueError as e:
         parser.error(f"--loss {args.loss}: {in_flag_spelling(str(e))}")
-    reads_reference = needs_reference(spec, options)
+    reads_reference = reads_reference_features(args.loss, options)
     uses_reference = args.ref_features is not None or args.ref_model is not None
     if reads_reference and not uses_reference and trains(args):  # evaluating: the loss is not called
         parser.error(f"--loss {args.loss} needs reference features: pass --ref-features DIR (precomputed with "
