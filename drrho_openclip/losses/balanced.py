@@ -195,6 +195,8 @@ def balance_at_positives(d, inv_tau, steps, world_size=1, offset=0, transposed=F
 
 class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
+    compiles_passes = True  # its half-steps' passes, where `compiles_for` the device
+
     def __init__(self, temperature: nn.Module, steps: int = 2, reference_shift: bool = False, rank: int = 0,
                  world_size: int = 1):
         super().__init__()

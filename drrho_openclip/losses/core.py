@@ -77,6 +77,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     (it gathers the global batch): every rank makes it.
     """
 
+    compiles_passes = True  # its passes over the pairwise matrix, where `compiles_for` the device
+
     def __init__(
             self,
             temperature: nn.Module,

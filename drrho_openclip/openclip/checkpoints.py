@@ -284,9 +284,9 @@ def _new_run(args, weights: dict) -> str:
 def _start_from(args, weights: dict) -> str:
     """How a new run starts from the weights of --resume's file (`weights`, without DDP's 'module.')."""
     if (args.model or '').startswith('local-dir:'):
-        return (f"OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained: to start from "
-                f"this checkpoint, copy the folder, put the checkpoint in the copy as open_clip_pytorch_model.bin and "
-                f"train --model local-dir:<the copy>")
+        return ("OpenCLIP reads a local-dir: model's weights from its folder, not from --pretrained: to start from "
+                "this checkpoint, copy the folder, put the checkpoint in the copy as open_clip_pytorch_model.bin and "
+                "train --model local-dir:<the copy>")
     if any(k.startswith(ATTACHED_PREFIX) for k in weights):
         return "its model also holds TempNet's networks, which --pretrained does not load"
     return f"--pretrained '{args.resume}' starts it from those weights"

@@ -6,9 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..losses import (AUTO, DEFAULT_TILE_SIZE, BalancedClipLoss, DROContrastiveLoss, LogitScaleTemperature,
-                      attach_to_model, compiles_for, create_loss as build, gamma_at_epoch, get_loss_spec,
-                      inactive_options, rho_for_batch)
+from ..losses import (AUTO, DEFAULT_TILE_SIZE, LogitScaleTemperature, attach_to_model, compiles_for,
+                      create_loss as build, gamma_at_epoch, get_loss_spec, inactive_options, rho_for_batch)
 from .checkpoints import check_checkpoint_folder_shared, check_resumed_loss
 from .flags import loss_run_options, trains
 from .reference import OnlineReference
@@ -88,7 +87,7 @@ def configure_model(run: Run, model, args):
         logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
                      f"with it)")
     loss.to(device)  # the attached modules are the loss's own: they move with it
-    if isinstance(loss, (DROContrastiveLoss, BalancedClipLoss)) and compiles_for(device):  # else a silent pause
+    if getattr(loss, 'compiles_passes', False) and compiles_for(device):  # else a silent pause
         logging.info("drrho-openclip: the loss's passes over the pairwise matrix are compiled by TorchInductor during "
                      "the first training step (once per run, some seconds; TORCH_COMPILE_DISABLE=1 runs them eagerly)")
     state = getattr(loss, 'state', None)
