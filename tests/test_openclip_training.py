@@ -650,6 +650,12 @@ def test_training_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):
             f"separated by another character?)") in result.stderr
     args[args.index('--train-data') + 1] = missing = tmp_path / 'missing.csv'  # a traceback of pandas' before
     assert f"--train-data: no such file '{missing}'" in refused_at_parsing(args, capsys)
+    from open_clip_train.params import parse_args
+    header = tmp_path / 'header.csv'  # no samples: as precompute says it
+    header.write_text(lines[0] + '\n')
+    args[args.index('--train-data') + 1] = header
+    with pytest.raises(SystemExit, match=f"{header}: no rows below its header"):
+        parse_args([str(a) for a in args])
 
 
 @pytest.mark.parametrize('content, message', [

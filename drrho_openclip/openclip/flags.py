@@ -9,9 +9,8 @@ import textwrap
 from functools import lru_cache
 from typing import Optional, Tuple
 
-from ..data import (caption_mismatch, check_csv_columns, csv_frame, image_mismatch, input_kind, local_path,
-                    missing_local_file, moved_folders, relative_to_common_folder, sha256_of, shard_name_collision,
-                    shard_urls)
+from ..data import (caption_mismatch, image_mismatch, input_kind, local_path, missing_local_file, moved_folders,
+                    read_csv, relative_to_common_folder, sha256_of, shard_name_collision, shard_urls)
 from ..features import FeatureStore, FeatureStoreError, shard_name
 from ..losses import (OPTION_HELP, OPTION_TYPES, STATE_LAYOUTS, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS,
                       LogitScaleTemperature, create_loss, get_loss_spec, inactive_options, list_losses, loss_options,
@@ -441,9 +440,9 @@ def _training_csv(args) -> Tuple[list, str]:
 
 @lru_cache(maxsize=1)
 def _read_csv_columns(path, separator, image_key, caption_key, _version):
-    check_csv_columns(argparse.Namespace(train_data=path, csv_separator=separator), (image_key, caption_key))
-    # every column, as OpenCLIP's CsvDataset reads it: a row it cannot split stops here, naming the file
-    rows = csv_frame(path, separator)
+    # every column, as OpenCLIP's CsvDataset reads it: a row it cannot split, or no row, stops here, naming the file
+    rows = read_csv(argparse.Namespace(train_data=path, csv_separator=separator, csv_img_key=image_key,
+                                       csv_caption_key=caption_key))
     return rows[image_key].tolist(), sha256_of(rows[caption_key])
 
 
