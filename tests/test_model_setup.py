@@ -3,6 +3,7 @@ loss flags a loss does not read."""
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -414,3 +415,13 @@ def test_the_run_supplies_every_run_option_a_loss_can_take():
     values = loss_run_options(args, tuple(RUN_OPTION_DEFAULTS), num_samples=16, rank=1, world_size=2, embed_dim=8)
     assert values == dict(num_samples=16, rank=1, world_size=2, embed_dim=8, local_loss=False,
                           gather_with_grad=False, seed=5)
+
+
+def test_the_tile_size_help_says_what_the_run_chooses():
+    """--tile-size's help gives the batch where a run starts tiling: its numbers are the policy's own."""
+    from drrho_openclip.openclip.model import auto_tile_size, auto_tile_size_help
+    said = auto_tile_size_help()
+    cpu = int(re.search(r'one process below a batch of (\d+) ', said).group(1))
+    assert auto_tile_size(cpu - 1, cpu - 1) == 0 and auto_tile_size(cpu, cpu) > 0
+    kd = int(re.search(r'\((\d+)k with KD\); ', said).group(1)) * 1000
+    assert auto_tile_size(kd, kd, distills=True) == 0 and auto_tile_size(kd + 1000, kd + 1000, distills=True) > 0

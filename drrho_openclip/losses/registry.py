@@ -84,10 +84,7 @@ OPTION_HELP = dict(
     selection_ratio="fraction of the super-batch JEST keeps",
     num_chunks="number of chunks JEST draws its selection in",
     tile_size="columns per tile of the tiled DRO core, whose memory is linear in the batch size (0: untiled, as "
-              "create_loss is without it; a training run's default: untiled while its matrices, about 14 bytes per "
-              "local x global pair and 34 with --distill-weight, take at most a quarter of the GPU's memory, e.g. one "
-              "process up to a batch of about 39k on an 80 GB GPU (25k with KD), or off a GPU below 14·2^28 bytes, "
-              "one process below a batch of 16384 (10k with KD); 1024-column tiles beyond)",
+              "create_loss is without it)",
     state_layout="where the per-sample tables (u, per-sample τ and its Adam moments) live: 'replicated' (all N rows on "
                  "every rank) or 'sharded' (each rank holds N/W rows and saves them in per-rank files next to the "
                  "checkpoint); 'auto': sharded from 4M samples with several ranks",

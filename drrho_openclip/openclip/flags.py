@@ -146,8 +146,10 @@ def add_args(parser):
                        help=f"WebDataset input, for a loss that keeps per-sample state without --ref-features: the "
                             f"store whose keys index the samples (`drrho-openclip-features --keys-only`; a feature "
                             f"store does too). Losses: {', '.join(stateful)}.")
+    from .model import auto_tile_size_help  # which imports this module
+    run_default = {'tile_size': f" {auto_tile_size_help()}."}
     for option, losses in sorted(user_options().items()):
-        text = f"{OPTION_HELP[option]}. {_readers(option, losses)}"
+        text = f"{OPTION_HELP[option]}.{run_default.get(option, '')} {_readers(option, losses)}"
         kind = OPTION_TYPES.get(option, type(get_loss_spec(losses[0]).defaults[option]))
         if kind is bool:  # --x / --no-x; default None: tells 'not given' from the loss's own default
             group.add_argument(flag(option), action=argparse.BooleanOptionalAction, default=None, help=text)

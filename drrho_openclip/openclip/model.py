@@ -27,6 +27,23 @@ UNTILED_KD_BYTES_PER_PAIR = 20
 AUTO_TILE_FROM_PAIRS = 1 << 28
 
 
+def auto_tile_size_help() -> str:
+    """`auto_tile_size` in words, with its numbers, for --tile-size's help."""
+    kd_per_pair = UNTILED_BYTES_PER_PAIR + UNTILED_KD_BYTES_PER_PAIR
+    gpu_pairs = 80 * 2 ** 30 / 4  # a quarter of an 80 GB GPU, in bytes
+
+    def batch(pairs):  # one process (local = global batch), in thousands below the limit
+        return f"{math.isqrt(int(pairs)) // 1000}k"
+    return (f"A training run's default: untiled while its matrices, about {UNTILED_BYTES_PER_PAIR} bytes per local x "
+            f"global pair and {kd_per_pair} with --distill-weight, take at most a quarter of the GPU's memory, e.g. "
+            f"one process up to a batch of about {batch(gpu_pairs / UNTILED_BYTES_PER_PAIR)} on an 80 GB GPU "
+            f"({batch(gpu_pairs / kd_per_pair)} with KD), or off a GPU below {UNTILED_BYTES_PER_PAIR}·"
+            f"2^{AUTO_TILE_FROM_PAIRS.bit_length() - 1} bytes, one process below a batch of "
+            f"{math.isqrt(AUTO_TILE_FROM_PAIRS)} "
+            f"({batch(AUTO_TILE_FROM_PAIRS * UNTILED_BYTES_PER_PAIR / kd_per_pair)} with KD); "
+            f"{DEFAULT_TILE_SIZE}-column tiles beyond")
+
+
 def auto_tile_size(local_batch: int, global_batch: int, device: torch.device = torch.device('cpu'),
                    distills: bool = False) -> int:
     """The tile size the run uses unless `--tile-size` is given: 0 (untiled) while the untiled matrices fit (with
