@@ -1,5 +1,6 @@
 """The registered family: defaults and help, option checks, checkpoints, gradient accumulation, fp32 stability."""
 import copy
+import re
 
 import pytest
 import torch
@@ -477,3 +478,26 @@ def test_whether_a_loss_reads_reference_features_is_what_it_does(name):
     # both answers where the options decide it: KD, drrho's reference_weight 0, an optional reference shift
     assert set(checked) == ({True} if spec.reference == 'required' and name.startswith('jest') else
                             {False} if spec.reference == 'none' else {True, False}), checked
+
+
+@pytest.mark.parametrize('tile_size', [0, 4])
+def test_a_malformed_batch_is_named_before_anything_is_written(tile_size):
+    """An index that is not one integer per row (a boolean mask wrote every sample's u into row 1, a float one was
+    cut to integers), or features of different row counts (the dense aggregation failed inside a matrix product)."""
+    image, text, ref_image, ref_text = make_batch(4, 8)
+    loss = create_loss('drrho', num_samples=16, gamma=0.5, tile_size=tile_size)
+    loss.set_total_steps(10)
+    before = tables(loss)
+    for index, said in ((torch.ones(8, dtype=torch.bool), 'torch.bool of shape (8,)'),
+                        (torch.arange(8) + 0.5, 'torch.float32 of shape (8,)'),
+                        (torch.arange(8)[None], 'torch.int64 of shape (1, 8)'),
+                        (torch.arange(7), 'torch.int64 of shape (7,)'), ([0, 1], 'list')):
+        with pytest.raises(ValueError, match=re.escape(f"one entry per row of the batch (8), got {said}")):
+            call(loss, image, text, None, index, ref_image, ref_text)
+    with pytest.raises(ValueError, match=re.escape("got 8 image_features, 8 text_features, 7 ref_image_features, "
+                                                   "8 ref_text_features")):
+        call(loss, image, text, None, torch.arange(8), ref_image[:7], ref_text)
+    with pytest.raises(ValueError, match=re.escape("got 8 image_features, 6 text_features")):
+        call(loss, image, text[:6], None, torch.arange(8), ref_image, ref_text)
+    for key, value in tables(loss).items():
+        assert torch.equal(value.nan_to_num(-7.0), before[key].nan_to_num(-7.0)), key

@@ -28,8 +28,8 @@ from .collectives import gather_batch
 from .dense import dense_aggregate
 from .distill import ReferenceLogitScale, distillation_loss
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
-from .state import (MovingAverageState, SampleSharding, check_same_window, missing_state_message,
-                    per_sample_tables)
+from .state import (MovingAverageState, SampleSharding, check_index_shape, check_same_window,
+                    missing_state_message, per_sample_tables)
 from .temperatures import rho_for_batch
 from .tiled import negative_weight_entropy
 
@@ -214,6 +214,14 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             raise RuntimeError("a loss in training mode learns from each call (per-sample u, τ): call it with "
                                "gradients enabled, or put it in eval mode (loss.eval()) to score a batch without "
                                "learning")
+        rows = {'image_features': image_features.shape[0], 'text_features': text_features.shape[0]}
+        if self.reference_shift or self.distill_weight > 0:
+            rows.update(ref_image_features=ref_image_features.shape[0], ref_text_features=ref_text_features.shape[0])
+        if len(set(rows.values())) > 1:  # the tiled aggregation said so, the dense one failed in a matrix product
+            raise ValueError(f"one row per sample of the batch in each of the features, got "
+                             f"{', '.join(f'{rows[k]} {k}' for k in rows)}")
+        if index is not None:
+            check_index_shape(index, image_features.shape[0])
         device = image_features.device
         for part in (self.state, self.temperature):
             if getattr(part, 'sharding', None) is not None:

@@ -30,6 +30,17 @@ STATE_LAYOUTS = ('auto', 'replicated', 'sharded')
 AUTO_SHARD_FROM_SAMPLES = 1 << 22
 
 
+def check_index_shape(index, batch_rows: int):
+    """A batch's sample index: a 1-D integer tensor, one entry per row of the batch (its dtype and shape only: no
+    device read). A boolean mask would index the tables as 0s and 1s, a float one be cut to integers."""
+    if not isinstance(index, torch.Tensor) or index.dtype == torch.bool or index.is_floating_point() \
+            or index.is_complex() or index.dim() != 1 or index.shape[0] != batch_rows:
+        what = (f"{index.dtype} of shape {tuple(index.shape)}" if isinstance(index, torch.Tensor)
+                else type(index).__name__)
+        raise ValueError(f"the sample index must be a 1-D integer tensor with one entry per row of the batch "
+                         f"({batch_rows}), got {what}")
+
+
 def check_index(index: torch.Tensor, num_rows: int):
     """Every sample index must have a row. Exact, with a Python error, on the CPU; on an accelerator an exact check
     would wait for the device every step, so there it is a device-side assertion that fails the step."""
