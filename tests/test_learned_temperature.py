@@ -50,6 +50,24 @@ def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k, ca
     assert median_effective_negatives(ref_image, ref_text, tau / ALPHA) == pytest.approx(k, rel=1e-6)
 
 
+@pytest.mark.parametrize('case', ['reference alike for every pair', 'batch of at most k + 1'])
+def test_an_auto_temperature_at_a_bound_is_a_warning(case, caplog):
+    """Neither start is one the rule chose: with margins all zero every τ spreads an anchor over all B − 1
+    negatives, and with B − 1 ≤ k none spreads it over k."""
+    n = 16 if case.startswith('reference') else 8
+    image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(0), n)
+    if case.startswith('reference'):
+        ref_image = ref_text = torch.full_like(ref_image, ref_image.shape[1] ** -0.5)
+    loss = create_loss('drrho', num_samples=n, temperature='auto', lr_tau=0.01).double()
+    with caplog.at_level('INFO'):
+        call(loss, image, text, ref_image, ref_text)
+    said = [r for r in caplog.records if "temperature 'auto' starts at" in r.getMessage()]
+    bound = 'lower' if case.startswith('reference') else 'upper'
+    assert len(said) == 1 and said[0].levelname == 'WARNING' and f"starts at its {bound} bound" in said[0].getMessage()
+    limit = get_loss_spec('drrho').defaults['tau_min' if bound == 'lower' else 'tau_max']
+    assert loss.metrics()['tau_image_mean'] == pytest.approx(limit, rel=1e-6)  # the τ of the call, before its step
+
+
 def test_auto_temperature_stays_within_its_bounds():
     g = torch.Generator().manual_seed(0)
     _, _, ref_image, ref_text = batch(g, 16)

@@ -215,8 +215,21 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
             self.log_tau.copy_(tau.log())
             self._chosen = True
             # once per run: the τ it starts from is otherwise seen only in the first logged step's metrics
-            logger.info(f"drrho-openclip: temperature 'auto' starts at τ = {tau.item():.4g}: the reference shift "
-                        f"alone gives the first batch's median anchor {self.target_negatives:g} effective negatives")
+            start = tau.item()
+            if start <= self.tau_min * 1.001:  # at any τ the anchors spread over more: margins (near) zero
+                logger.warning(f"drrho-openclip: temperature 'auto' starts at its lower bound τ = {start:.4g}: the "
+                               f"first batch's reference margins are too small to give an anchor as few as "
+                               f"{self.target_negatives:g} effective negatives at any τ (a reference that scores "
+                               f"every pair alike?); give --temperature a number")
+            elif start >= self.tau_max / 1.001:  # at any τ fewer: B − 1 ≤ k
+                logger.warning(f"drrho-openclip: temperature 'auto' starts at its upper bound τ = {start:.4g}: even "
+                               f"there the first batch's median anchor has fewer than {self.target_negatives:g} "
+                               f"effective negatives (a global batch of B has B − 1 negatives); give --temperature a "
+                               f"number, or a smaller --target-negatives")
+            else:
+                logger.info(f"drrho-openclip: temperature 'auto' starts at τ = {start:.4g}: the reference shift "
+                            f"alone gives the first batch's median anchor {self.target_negatives:g} effective "
+                            f"negatives")
         if self.lr == 0:
             tau = self.log_tau.exp()
         else:
