@@ -322,6 +322,21 @@ def test_float32_features_under_16_bit_autocast_multiply_in_16_bit(name, options
         torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
 
 
+def test_float64_features_under_16_bit_autocast_stay_float64():
+    """As autocast leaves float64 tensors alone: a float64 check run inside an autocast region computed in bf16."""
+    g = torch.Generator().manual_seed(6)
+    image, text, ref_image, ref_text = (grid(g, 10).double() for _ in range(4))
+    values = []
+    for autocast in (True, False):
+        loss = create_loss('drrho', num_samples=16, temperature=0.2, gamma=0.5).double()
+        loss.set_total_steps(2)
+        with _ProductDtypes() as products, torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+            values.append(loss(image, text, None, index=torch.arange(10), ref_image_features=ref_image,
+                               ref_text_features=ref_text))
+        assert products.seen and all(dtypes == (torch.float64, torch.float64) for dtypes in products.seen)
+    assert values[0].dtype == torch.float64 and torch.equal(values[0], values[1])
+
+
 def test_jest_scores_its_selection_in_float32_under_autocast():
     """JEST's chunk scores (log-sum-exps of logits at scale up to 100) ran in autocast's bf16 products, off the
     float32 its selection is written in: bf16 rounds such logits by up to half a nat."""

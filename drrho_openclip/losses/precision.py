@@ -46,12 +46,12 @@ def pairwise_dtype(image_features: torch.Tensor, text_features: torch.Tensor) ->
     """The dtype of the loss's pairwise products: the caller's 16-bit autocast dtype, where it is on (called outside
     `autocast_disabled`), as the caller's own products get it: on CUDA, autocast runs F.normalize in float32, so
     OpenCLIP's `--precision amp_bf16` hands the loss float32 features. Else the features' own when both are the same
-    16-bit dtype (tensor cores), else float32 or wider."""
+    16-bit dtype (tensor cores), else float32 or wider. Float64 features stay float64, as autocast leaves them."""
     device = image_features.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    dtype = torch.promote_types(image_features.dtype, text_features.dtype)
+    if dtype != torch.float64 and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         if torch.get_autocast_dtype(device) in HALF_DTYPES:
             return torch.get_autocast_dtype(device)
-    dtype = torch.promote_types(image_features.dtype, text_features.dtype)
     return dtype if dtype in HALF_DTYPES else elementwise_dtype(dtype)
 
 
