@@ -91,14 +91,19 @@ def _sample(store: FeatureStore, count: int, generator: torch.Generator):
 
 def retrieval_ranks(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) -> Dict[str, torch.Tensor]:
     """Per sample and direction, how many candidates score above its own caption (image), ties not counted (in
-    chunks of anchors: memory O(chunk · n), not n²)."""
+    chunks of anchors: memory O(chunk · n), not n²). A candidate with the very features of the sample's own (the same
+    caption or image again) ties with it: the product rounds identical columns differently by their place, which
+    ranked such copies above it. A sample whose own score is not a number is ranked below every candidate."""
     out = {}
     for direction, anchors, candidates in (('image_to_text', image, text), ('text_to_image', text, image)):
+        copies = torch.unique(candidates, dim=0, return_inverse=True)[1]  # equal feature rows, one id
         ranks = []
         for start in range(0, len(anchors), chunk):
             sim = anchors[start:start + chunk] @ candidates.T
-            positive = sim[:, start:start + chunk].diagonal()  # from the same product: rounded alike
-            ranks.append((sim > positive[:, None]).sum(dim=1))
+            rows = torch.arange(start, min(start + chunk, len(anchors)))
+            positive = sim[torch.arange(len(rows)), rows]
+            above = (sim > positive[:, None]) & (copies[None, :] != copies[rows][:, None])
+            ranks.append(torch.where(positive.isnan(), len(candidates), above.sum(dim=1)))
         out[direction] = torch.cat(ranks)
     return out
 
