@@ -1,6 +1,7 @@
 """Fast checks of the benchmarks' core functions on tiny inputs (no timing assertions)."""
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -170,16 +171,24 @@ def test_openclipart_preparer_splits_labels_and_flattens_on_white(tmp_path):
     source = tmp_path / 'png'
     tree = {'animals/mammals': 20, 'animals/mammals/dogs': 5, 'food/fruit': 20, 'food/nuts': 3,
             'computer/icons/lemon-theme': 30, 'special/gradients': 30, 'animals': 7}
-    for folder, count in tree.items():
+    for shade, (folder, count) in enumerate(tree.items()):  # every image its own
         (source / folder).mkdir(parents=True, exist_ok=True)
         for i in range(count):
-            Image.new('RGBA', (40 + i, 30), (255, 0, 0, 0 if 'fruit' in folder else 255)).save(
+            Image.new('RGBA', (40 + i, 30), (255, 0, 10 * shade, 0 if 'fruit' in folder else 255)).save(
                 source / folder / f"{folder.split('/')[-1]}_item_{i:02d}.png")
+    # byte-identical copies filed under another folder (as the package files some): never a copy of a test image
+    # in training or the reference
+    (source / 'people').mkdir()
+    for i in range(20):
+        shutil.copy(source / 'animals/mammals' / f'mammals_item_{i:02d}.png', source / 'people' / f'copy_{i:02d}.png')
+    tree['people'] = 20
     data = replication.prepare_openclipart(tmp_path / 'out', source, n_ref=None, n_train=40, min_class_images=10)
     classes = json.loads(Path(data['classes']).read_text())
     assert classes['classnames'] == ['mammals', 'fruit'] and all('{}' in t for t in classes['templates'])
     frames = {split: pd.read_csv(data[split], sep='\t') for split in ('ref', 'train', 'test')}
-    assert data['sizes'] == {'test': 4 + 3, 'train': 40, 'ref': sum(tree.values()) - 7 - 40}  # 15% of 25 and 20
+    copied = pd.read_csv(data['test'], sep='\t')['title'].str.fullmatch('mammals item, mammals').sum()
+    assert 0 < copied == data['test_copies_left_out']
+    assert data['sizes'] == {'test': 4 + 3, 'train': 40, 'ref': sum(tree.values()) - 7 - 40 - copied}  # 15%: 25, 20
     assert frames['test']['label'].value_counts().sort_index().tolist() == [4, 3]
     assert set(frames['train']['label']) <= {-1, 0, 1}
     captions = [set(f['title']) for f in frames.values()]
@@ -188,8 +197,12 @@ def test_openclipart_preparer_splits_labels_and_flattens_on_white(tmp_path):
     dogs = every[every['title'].str.endswith('dogs, mammals')]
     assert len(dogs) == 5 and (dogs['label'] == 0).all()  # a deeper folder belongs to its subfolder's class
     assert (every[every['title'].str.contains('nuts|icons|gradients|animals')]['label'] == -1).all()
-    assert len(set().union(*(set(f['filepath']) for f in frames.values()))) == sum(tree.values())  # disjoint, all used
+    assert len(set().union(*(set(f['filepath']) for f in frames.values()))) == sum(tree.values()) - copied  # disjoint
     pixels = {t: np.asarray(Image.open(f)) for f, t in zip(every['filepath'], every['title'])}
+    opaque = {split: f[~f['title'].str.contains('fruit')]['filepath'] for split, f in frames.items()}  # fruit: white
+    test_pixels = {np.asarray(Image.open(f)).tobytes() for f in opaque['test']}
+    assert not any(np.asarray(Image.open(f)).tobytes() in test_pixels for f in pd.concat([opaque['train'],
+                                                                                         opaque['ref']]))
     assert all(a.shape == (64, 64, 3) for a in pixels.values())
     assert (pixels['fruit item, fruit'] == 255).all()  # transparent: white
     red = pixels['mammals item, mammals']  # opaque red, wider than high: centred, padded with white
