@@ -1,7 +1,8 @@
 """One table from the evidence runs of `replication.py` (benchmarks/results/evidence/<data>_batch<B>/, each with its
 command in command.txt): every method's zero-shot top-1 and mean recall at 100 % of the data (and 50 % where it was
 run), mean ± std over seeds, its mean recall relative to `clip`'s, its paired difference from `clip` (the same seed
-gives the same data order and initialisation, so a per-seed difference removes their shared luck; mean recall in the
+gives the same initialisation, so a per-seed difference removes that shared luck, though not the data order's: plain
+`clip` runs OpenCLIP's own loader, whose shuffle is another order than the plugin's seeded one; mean recall in the
 table, with each R@k and class@1 below it; top-1 too in summary.json), and the §6.1 variance check.
 
     python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
