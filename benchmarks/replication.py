@@ -553,8 +553,9 @@ def heldout_retrieval(model, images, texts, labels=None, known=None) -> dict:
 
 def known_tokens(tokenizer, test_tokens: 'torch.Tensor', train_captions) -> 'torch.Tensor':
     """Per tokenized test caption: whether each of its tokens occurs in some training caption as the model reads it
-    (tokenized and cut to the context length). A token no training caption has keeps its initial embedding in a
-    target trained from scratch, whatever the loss, so retrieval on captions with one rests on their other tokens."""
+    (tokenized and cut to the context length). A token no training caption has gets no gradient in a target trained
+    from scratch, whatever the loss (its embedding keeps its random direction; weight decay only shrinks it), so
+    retrieval on captions with one rests on their other tokens."""
     import torch
     trained = torch.unique(tokenizer(list(train_captions)))
     return torch.isin(test_tokens, trained).all(dim=1)
