@@ -286,32 +286,32 @@ def _compute(args, shards, writer, encoder):
                                               pin_memory=_is_cuda(args.device))
     encoded = {}  # shard name -> its (keys, image features, text features) batches so far
     url_of, empty, dim = dict(shards), [], None
-    progress = tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
-                    dynamic_ncols=True)
     samples, start = 0, time.perf_counter()
-    for name, keys, images, texts in _stopping_at_unreadable(batches):
-        if keys is not None:
-            encoded.setdefault(name, []).append((keys, *_encode(model, images, texts, args.device)))
-            samples += len(keys)  # counted here: a disabled progress bar counts nothing
-            progress.update(len(keys))
-            continue
-        parts = encoded.pop(name, None)
-        csv = args.dataset_type == 'csv'
-        if not parts and csv:
-            raise SystemExit(f"--train-data '{url_of[name]}' holds no image-text samples")
-        if not parts:  # img2dataset's shard where every download failed: written once the features' size is known
-            empty.append(name)
-            continue
-        keys, (image, text) = [k for p in parts for k in p[0]], _fetch(parts, args.device)
-        dim = image.shape[1]
-        try:  # a reference with a NaN in its weights (or a zero feature) is found at its first shard, not at verify
-            check_rows(name, keys, image, text, normalize_hint='the encoders normalise theirs')
-        except FeatureStoreError as e:
-            raise SystemExit(f"the reference {_reference_flags(args)} gives features that cannot be stored: {e}; "
-                             f"nothing of the shard was written")
-        _add_shard(writer, url_of[name], name, keys, image, text, rows_are_index=csv)
-        progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
-    progress.close()
+    # closed however the loop ends: a stop at a bad sample left the bar to print itself at interpreter exit
+    with tqdm(total=total, unit='sample', desc=f'part {args.part}/{args.num_parts}',  # samples/s, ETA
+              dynamic_ncols=True) as progress:
+        for name, keys, images, texts in _stopping_at_unreadable(batches):
+            if keys is not None:
+                encoded.setdefault(name, []).append((keys, *_encode(model, images, texts, args.device)))
+                samples += len(keys)  # counted here: a disabled progress bar counts nothing
+                progress.update(len(keys))
+                continue
+            parts = encoded.pop(name, None)
+            csv = args.dataset_type == 'csv'
+            if not parts and csv:
+                raise SystemExit(f"--train-data '{url_of[name]}' holds no image-text samples")
+            if not parts:  # img2dataset's shard where every download failed: written once the features' size is known
+                empty.append(name)
+                continue
+            keys, (image, text) = [k for p in parts for k in p[0]], _fetch(parts, args.device)
+            dim = image.shape[1]
+            try:  # a reference with a NaN in its weights (or a zero feature) is found at its first shard, not at verify
+                check_rows(name, keys, image, text, normalize_hint='the encoders normalise theirs')
+            except FeatureStoreError as e:
+                raise SystemExit(f"the reference {_reference_flags(args)} gives features that cannot be stored: {e}; "
+                                 f"nothing of the shard was written")
+            _add_shard(writer, url_of[name], name, keys, image, text, rows_are_index=csv)
+            progress.set_postfix(shards=f'{len(writer.shards)}/{len(shards)}')
     for name in empty:
         dim = dim or writer.dim or _feature_dim(encoder, args.device)
         none = np.zeros((0, dim), np.float32)

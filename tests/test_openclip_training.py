@@ -14,6 +14,7 @@ import open_clip
 import pytest
 import torch
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+from tqdm import tqdm
 
 from conftest import (ENV, SGD, assert_equivalent_runs, assert_same, assert_same_weights, checkpoint, loss_tensors,
                       refused_at_parsing, run_openclip, start_openclip, train_args)
@@ -708,6 +709,8 @@ def test_precompute_names_what_is_wrong_with_a_csv(shapes, tmp_path, capsys):
                                  '--workers', workers])
             assert not [o for o in gc.get_objects() if type(o) is _MultiProcessingDataLoaderIter and
                         not o._shutdown]  # left to a collection at exit, its join of the workers was interrupted
+            # nor the progress bar, which printed itself at exit
+            assert not [o for o in gc.get_objects() if type(o) is tqdm and not o.disable]
         finally:
             gc.enable()
         assert str(stop.value).startswith(f"CSV row 3 (from 0, the header not counted): image '{broken}' cannot "
