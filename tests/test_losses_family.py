@@ -461,7 +461,10 @@ def test_whether_a_loss_reads_reference_features_is_what_it_does(name):
     for variant in variants:
         try:
             reads = reads_reference_features(name, loss_options(name, **variant))
-            losses = [create_loss(name, **variant, **run) for _ in range(2) if torch.manual_seed(0)]  # TempNet's init
+            losses = []
+            for _ in range(2):
+                torch.manual_seed(0)  # the same TempNet initialisation in both
+                losses.append(create_loss(name, **variant, **run))
         except ValueError:  # a combination the loss refuses (an option these options leave unread)
             continue
         for loss in losses:
