@@ -101,7 +101,7 @@ class LossSpec:
     reference: str = 'none'                         # 'none', 'optional' or 'required' reference features
     run_options: Tuple[str, ...] = DISTRIBUTED      # the options of RUN_OPTION_DEFAULTS the training run supplies
     inactive: Callable = None                       # options -> {option: why it has no effect with these options}
-    reads_reference: Callable = None                # options -> bool, where 'required' depends on the options
+    reads_reference: Callable = None                # options -> whether the loss reads the batch's reference features
 
     @property
     def stateful(self) -> bool:
@@ -110,6 +110,14 @@ class LossSpec:
 
 
 _LOSSES: Dict[str, LossSpec] = {}
+
+# Whether a loss reads reference features, by its kind of reference, unless its registration says otherwise: an
+# 'optional' one where it distills or shifts by the reference
+_READS_REFERENCE = {
+    'none': lambda o: False,
+    'optional': lambda o: getattr(o, 'distill_weight', 0) > 0 or getattr(o, 'reference_shift', False),
+    'required': lambda o: True,
+}
 
 
 def register_loss(name: str, help: str, defaults=None, reference='none', run_options=DISTRIBUTED, inactive=None,
@@ -122,11 +130,13 @@ def register_loss(name: str, help: str, defaults=None, reference='none', run_opt
         if unknown:
             raise ValueError(f"loss '{name}': {', '.join(unknown)} are no run options "
                              f"({', '.join(RUN_OPTION_DEFAULTS)})")
+        if reference not in _READS_REFERENCE:
+            raise ValueError(f"loss '{name}': reference must be one of {', '.join(_READS_REFERENCE)}, got {reference!r}")
         both = sorted(set(run_options) & set(defaults or {}))
         if both:
             raise ValueError(f"loss '{name}': {', '.join(both)} are run options, not the user's")
         _LOSSES[name] = LossSpec(name, factory, help, dict(defaults or {}), reference, tuple(run_options), inactive,
-                                 reads_reference)
+                                 reads_reference or _READS_REFERENCE[reference])
         return factory
     return wrap
 
@@ -174,15 +184,8 @@ def inactive_options(name: str, options: SimpleNamespace) -> Dict[str, str]:
 
 
 def reads_reference_features(name: str, options: SimpleNamespace) -> bool:
-    """Whether the loss `name` built with `options` (`loss_options`) reads the batch's reference features: an
-    'optional' one where it distills or shifts by the reference, a 'required' one as its spec says (always, unless
-    its `reads_reference` says otherwise)."""
-    spec = get_loss_spec(name)
-    if spec.reference == 'optional':
-        return getattr(options, 'distill_weight', 0) > 0 or getattr(options, 'reference_shift', False)
-    if spec.reference == 'required':
-        return spec.reads_reference(options) if spec.reads_reference else True
-    return False
+    """Whether the loss `name` built with `options` (`loss_options`) reads the batch's reference features."""
+    return get_loss_spec(name).reads_reference(options)
 
 
 def create_loss(name: str, **overrides):
