@@ -100,8 +100,8 @@ def retrieval_ranks(image: torch.Tensor, text: torch.Tensor, chunk: int = 1024) 
         ranks = []
         for start in range(0, len(anchors), chunk):
             sim = anchors[start:start + chunk] @ candidates.T
-            rows = torch.arange(start, min(start + chunk, len(anchors)))
-            positive = sim[torch.arange(len(rows)), rows]
+            rows = torch.arange(start, min(start + chunk, len(anchors)), device=sim.device)
+            positive = sim[:, start:start + chunk].diagonal()  # from the same product: rounded alike
             above = (sim > positive[:, None]) & (copies[None, :] != copies[rows][:, None])
             ranks.append(torch.where(positive.isnan(), len(candidates), above.sum(dim=1)))
         out[direction] = torch.cat(ranks)
