@@ -8,7 +8,9 @@ table, with each R@k and class@1 below it; top-1 too in summary.json), and the �
     python benchmarks/evidence_summary.py [FOLDER]   # writes FOLDER/summary.{md,json,png}; default below
 
 It also writes FOLDER/defaults.md: the folders named `*_defaults` (each setting's every method in one run at the
-plugin's defaults of the day it ran) side by side, one column per setting, the README's evidence table.
+plugin's defaults of the day it ran) side by side, one column per setting, the README's evidence table. A folder
+`*_defaults_deduplicated` (the same setting run again on the openclipart split without copies of its test images in
+training) takes the place of its `*_defaults`.
 """
 import argparse
 import json
@@ -19,6 +21,7 @@ from pathlib import Path
 
 EVIDENCE = Path(__file__).resolve().parent / 'results' / 'evidence'
 DEFAULTS_SUFFIX = '_defaults'
+DEDUPLICATED_SUFFIX = '_deduplicated'
 
 
 def load(evidence: Path):
@@ -168,11 +171,23 @@ def setting_label(report) -> str:
     return f"{report['data']['name']}, batch {config['batch_size']}, {config['samples_seen']} seen, {reference}"
 
 
-def defaults_markdown(runs, suffix=DEFAULTS_SUFFIX) -> str:
-    """One table per fraction: every loss of the `*_defaults` folders (by global batch, then samples seen) against each
+def defaults_folders(runs) -> dict:
+    """The `*_defaults` folders, each `*_defaults_deduplicated` one in place of the folder it ran again."""
+    found = {name: report for name, report in runs.items()
+             if name.endswith(DEFAULTS_SUFFIX) or name.endswith(DEFAULTS_SUFFIX + DEDUPLICATED_SUFFIX)}
+    return {name: report for name, report in found.items() if name + DEDUPLICATED_SUFFIX not in found}
+
+
+def column_label(name) -> str:
+    base = name.removesuffix(DEDUPLICATED_SUFFIX)
+    return base.removesuffix(DEFAULTS_SUFFIX) + (' (deduplicated)' if base != name else '')
+
+
+def defaults_markdown(runs) -> str:
+    """One table per fraction: every loss of the defaults folders (by global batch, then samples seen) against each
     setting's `clip`, a cell being top-1 / mean recall (mean ± std), ×clip and the paired recall difference Δ ± its
     standard error (seeds above)."""
-    chosen = dict(sorted(((name, report) for name, report in runs.items() if name.endswith(suffix)),
+    chosen = dict(sorted(defaults_folders(runs).items(),
                          key=lambda item: (item[1]['config']['batch_size'], item[1]['config']['samples_seen'],
                                            item[0])))
     if not chosen:
@@ -187,7 +202,7 @@ def defaults_markdown(runs, suffix=DEFAULTS_SUFFIX) -> str:
         columns = {name: report for name, report in chosen.items()
                    if any(fraction in per for per in report['summary'].values())}
         lines += [f"## {100 * float(fraction):g} % of the data", '',
-                  '| loss |' + ''.join(f" {name.removesuffix(suffix)} |" for name in columns),
+                  '| loss |' + ''.join(f" {column_label(name)} |" for name in columns),
                   '|---|' + '---:|' * len(columns),
                   '| reference |' + ''.join(f" {100 * r['reference_accuracy']:.1f} / {r['reference_mean_recall']:.1f} |"
                                             for r in columns.values())]
@@ -203,7 +218,7 @@ def defaults_markdown(runs, suffix=DEFAULTS_SUFFIX) -> str:
                     text += ')'
                 row += f" {text} |"
             lines.append(row)
-        lines += ['', 'Settings: ' + '; '.join(f"{name.removesuffix(suffix)}: {setting_label(r)}"
+        lines += ['', 'Settings: ' + '; '.join(f"{column_label(name)}: {setting_label(r)}"
                                                for name, r in columns.items()) + '.', '']
     return '\n'.join(lines)
 

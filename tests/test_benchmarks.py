@@ -455,6 +455,25 @@ def test_evidence_summary_sets_the_defaults_folders_side_by_side(tmp_path):
     assert '| `clip` | 30.0 ± 1.0 / 11.0 ± 0.5 | 30.0 ± 1.0 / 11.0 ± 0.5 |' in text
 
 
+
+def test_evidence_summary_puts_a_deduplicated_run_in_place_of_the_one_it_ran_again(tmp_path):
+    import evidence_summary
+
+    def entry(recall):
+        return dict(seeds=1, accuracy=[0.3, 0.0], mean_recall=[recall, 0.0], curve={})
+    for name, drrho in (('g_batch64_defaults', 13.0), ('g_batch64_defaults_deduplicated', 17.0),
+                        ('h_batch512_defaults', 19.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'replication.json').write_text(json.dumps(dict(
+            data=dict(name=name[0]), machine='m', reference_accuracy=0.5, reference_mean_recall=20.0,
+            config=dict(batch_size=int(name.split('_batch')[1].split('_')[0]), samples_seen=128), runs=[],
+            summary={'clip': {'1.0': entry(10.0)}, 'drrho': {'1.0': entry(drrho)}})))
+    assert evidence_summary.main([str(tmp_path)]) == 0
+    text = (tmp_path / 'defaults.md').read_text()
+    assert '| loss | g_batch64 (deduplicated) | h_batch512 |\n' in text
+    assert '(1.70×)' in text and '(1.90×)' in text and '(1.30×)' not in text
+
+
 class _ColourTowers:
     """Stand-ins for the pretrained towers: an image's 'features' are its mean colour, a caption's a one-hot of its
     colour word; what is tested is the projections' training and evaluation around them."""
