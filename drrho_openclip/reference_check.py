@@ -240,10 +240,11 @@ def verdict(r: ReferenceReport) -> List[str]:
                 f"11 of the 13 evidence settings where a --loss clip model's mean recall stayed below {fraction:g} of "
                 f"the reference's on the same held-out pairs (0.94-2.15x its mean recall against 0.81-1.85x; level "
                 f"in the other two), and worse in 13 of the 16 where it reached that or more (the other three, at "
-                f"0.41-0.46, better or level; near {fraction:g} mostly within a spread). Those runs saw up to 5e5 samples; at the paper's 3e8-1.3e9 its targets ended "
-                f"at 0.8-1.3 of their references' accuracy and the full shift still beat the reference-free "
-                f"FastCLIP, so there the rule does not hold as measured here. Here the reference's mean recall "
-                f"(of its R@1 and R@5 both ways) is {r.mean_recall:.1f}% on {r.samples} pairs")
+                f"0.41-0.46, better or level; near {fraction:g} mostly within a spread). Those runs saw up to 5e5 "
+                f"samples; at the paper's 3e8-1.3e9 its targets ended at 0.8-1.3 of their references' accuracy and "
+                f"the full shift still beat the reference-free FastCLIP, so there the rule does not hold as measured "
+                f"here. Here the reference's mean recall (of its R@1 and R@5 both ways) is {r.mean_recall:.1f}% on "
+                f"{r.samples} pairs")
         if r.clip_recall is None:
             lines.append(f"{rule}: use the full shift when the model you train, trained with --loss clip and "
                          f"evaluated on the same pairs (OpenCLIP's --val-data reports the same four recalls; "
