@@ -350,6 +350,11 @@ def main(argv=None):
                    help="OpenCLIP model of the training step, randomly initialised (default: the demo's tiny CLIP)")
     p.add_argument('--grad-checkpointing', action='store_true', help='training step with gradient checkpointing')
     p.add_argument('--train-repeats', type=int, default=3, help='rounds of the training pair (0: no training step)')
+    p.add_argument('--memory-sizes', type=int, nargs='*', metavar='B',
+                   help='global batch sizes of the peak-memory measurements (default: those of the timings; none: '
+                        'no memory measurement)')
+    p.add_argument('--memory-losses', nargs='+', metavar='LOSS',
+                   help='losses whose peak memory is measured, each against ClipLoss (default: those timed)')
     p.add_argument('--memory-jobs', type=int, default=None,
                    help='memory-measuring processes at a time (default: 1 on CPU, where they would share the cores '
                         'being measured; 3 on CUDA, where each process reads its own allocator statistics)')
@@ -377,13 +382,20 @@ def main(argv=None):
     train_batch = args.train_batch or (16 if args.smoke else 1024 if cuda else 256)
     train_samples = train_batch * (WARMUP_STEPS + (2 if args.smoke else 8))
     train_repeats = min(1, args.train_repeats) if args.smoke else args.train_repeats
-    unknown = sorted(set(args.losses or ()) - set(list_losses()))
-    if unknown:
-        p.error(f"--losses: {', '.join(unknown)} not registered (registered: {', '.join(list_losses())})")
+    for flag, chosen in (('--losses', args.losses), ('--memory-losses', args.memory_losses)):
+        unknown = sorted(set(chosen or ()) - set(list_losses()))
+        if unknown:
+            p.error(f"{flag}: {', '.join(unknown)} not registered (registered: {', '.join(list_losses())})")
     names = [BASELINE, *(n for n in list_losses() if args.losses is None or n in args.losses)]
     # --smoke checks the memory path on the drrho/ClipLoss pair at one size only: each measurement is a process
-    memory_names, memory_sizes = ([n for n in names if n in (BASELINE, 'drrho')], sizes[:1]) if args.smoke else \
-        (names, sizes)
+    memory_losses = args.memory_losses or (['drrho'] if args.smoke else names[1:])
+    memory_names = [BASELINE, *(n for n in list_losses() if n in memory_losses)]
+    memory_sizes = args.memory_sizes if args.memory_sizes is not None else sizes[:1] if args.smoke else sizes
+    # the report puts each memory next to its loss's time, as a ratio to ClipLoss's at that batch
+    untimed = sorted(set(memory_names) - set(names)) + [f'B={b}' for b in memory_sizes if b not in sizes]
+    if untimed:
+        p.error(f"--memory-losses/--memory-sizes: {', '.join(untimed)} not timed; the memory is reported beside "
+                f"the time: add them to --losses/--sizes")
     start = time.time()
 
     print(f"[1/3] loss forward+backward time: {len(names)} losses x B {sizes}, d {dim}, {repeats} rounds", flush=True)

@@ -193,6 +193,11 @@ def fmt(x, spec='.2f'):
     return '—' if x is None else format(x, spec)
 
 
+def ms(seconds):
+    """a step time in milliseconds: a GPU step takes tens of them, which seconds to two decimals would round away"""
+    return fmt(None if seconds is None else seconds * 1e3, '.1f')
+
+
 def markdown(report):
     a = report['args']
     lines = [
@@ -207,14 +212,14 @@ def markdown(report):
            if any(r.get('step_s_all') == [] for r in report['results']) else "."),
         '',
         '| global batch | untiled GiB | tiled GiB | ClipLoss GiB | untiled/tiled mem | ClipLoss/tiled mem '
-        '| untiled s | tiled s | ClipLoss s | tiled/untiled time | tiled/ClipLoss time |',
+        '| untiled ms | tiled ms | ClipLoss ms | tiled/untiled time | tiled/ClipLoss time |',
         '|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
     ]
     for row in report['table']:
         lines.append(
             f"| {row['batch']} | {fmt(row['untiled_gib'])} | {fmt(row['tiled_gib'])} | {fmt(row['clip_gib'])} "
             f"| {fmt(row['mem_untiled_over_tiled'], '.1f')} | {fmt(row['mem_clip_over_tiled'], '.1f')} "
-            f"| {fmt(row['untiled_s'])} | {fmt(row['tiled_s'])} | {fmt(row['clip_s'])} "
+            f"| {ms(row['untiled_s'])} | {ms(row['tiled_s'])} | {ms(row['clip_s'])} "
             f"| {fmt(row['time_tiled_over_untiled'])} | {fmt(row['time_tiled_over_clip'])} |")
     loads = [x for r in report['results'] + report['sweep'] for x in r.get('load_avg_1min', [])]
     if loads and max(loads) > report['threads'] + 0.5:
@@ -224,9 +229,9 @@ def markdown(report):
         lines += ['', 'Notes:', ''] + [f'- {n}' for n in report['notes']]
     if report['sweep']:
         lines += ['', f"## Tile-size sweep (tiled drrho, global batch {a['sweep_batch']})", '',
-                  '| tile size | peak GiB | step s |', '|---:|---:|---:|']
+                  '| tile size | peak GiB | step ms |', '|---:|---:|---:|']
         for r in report['sweep']:
-            lines.append(f"| {r['tile_size']} | {fmt(r.get('peak_gib'))} | {fmt(r.get('step_s'))} |"
+            lines.append(f"| {r['tile_size']} | {fmt(r.get('peak_gib'))} | {ms(r.get('step_s'))} |"
                          + (f" {r['error']}" if 'error' in r else ''))
     return '\n'.join(lines) + '\n'
 
@@ -288,7 +293,7 @@ def main():
                 notes.append(f"{impl} at batch {batch} failed: {r['error']}")
                 print(f"{impl:8s} B={batch:6d}  FAILED {r['error']}", flush=True)
             else:
-                print(f"{impl:8s} B={batch:6d}  peak {r['peak_gib']:7.3f} GiB  step {r['step_s']:8.2f} s  "
+                print(f"{impl:8s} B={batch:6d}  peak {r['peak_gib']:7.3f} GiB  step {r['step_s'] * 1e3:10.1f} ms  "
                       f"loss {r['loss_value']:.5f}  ({time.time() - t0:.0f} s wall)", flush=True)
 
     sweep = []
@@ -297,7 +302,7 @@ def main():
                        args.precision)
         sweep.append(r)
         print(f"sweep tile {t:5d} B={sweep_batch}: " + (r['error'] if 'error' in r else
-              f"peak {r['peak_gib']:.3f} GiB  step {r['step_s']:.2f} s"), flush=True)
+              f"peak {r['peak_gib']:.3f} GiB  step {r['step_s'] * 1e3:.1f} ms"), flush=True)
 
     def get(impl, batch, key):
         for r in results:

@@ -373,18 +373,34 @@ def test_overheads_smoke_writes_its_json(tmp_path):
     assert set(report['summary']['training']) == {'clip', 'drrho'}
     assert report['summary']['training']['drrho']['peak_mib'] > 0
     assert out.with_suffix('.md').read_text().startswith('# Overheads')
-    # --train-repeats 0: the losses alone, no training step; --losses: those named, against ClipLoss
+    # --train-repeats 0: the losses alone, no training step; --losses: those named, against ClipLoss;
+    # --memory-losses/--memory-sizes: the memory of a chosen few of them at chosen batches, the others timed only
+    sizes = [str(b) for b in report['config']['sizes'][:2]]
     result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--train-repeats', '0',
-                             '--losses', 'drrho', 'adnce', '--output', str(out)], capture_output=True, text=True)
+                             '--sizes', *sizes, '--losses', 'drrho', 'adnce', '--memory-losses', 'adnce',
+                             '--memory-sizes', sizes[1], '--output', str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.with_suffix('.json').read_text())
     assert report['summary']['training'] == {}
     for per_loss in report['summary']['loss'].values():
         assert set(per_loss) == {'ClipLoss', 'drrho', 'adnce'}
     assert 'Training step' not in out.with_suffix('.md').read_text()
-    result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--losses', 'drho'],
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and "--losses: drho not registered" in result.stderr
+    assert report['raw']['loss_peak_bytes'].keys() == {sizes[1]}
+    assert report['raw']['loss_peak_bytes'][sizes[1]].keys() == {'ClipLoss', 'adnce'}
+    assert 'memory_ratio' in report['summary']['loss'][sizes[1]]['adnce']
+    assert 'memory_ratio' not in report['summary']['loss'][sizes[1]]['drrho']
+    assert all('memory_ratio' not in e for e in report['summary']['loss'][sizes[0]].values())
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--losses', 'drho'], '--losses: drho not registered'),
+    (['--losses', 'drrho', '--memory-losses', 'adnce'], 'adnce not timed'),
+    (['--sizes', '8', '--memory-sizes', '16'], 'B=16 not timed')])
+def test_overheads_refuses_losses_and_sizes_it_cannot_report(flags, message, capsys):
+    import overheads
+    with pytest.raises(SystemExit) as stop:
+        overheads.main(['--smoke', *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_evidence_summary_relates_every_method_to_clip(tmp_path):

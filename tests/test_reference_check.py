@@ -297,3 +297,31 @@ def test_keys_only_store_is_refused_by_name(tmp_path, capsys):
     (tmp_path / 'missing.partial').mkdir()  # a store being written: every reader says so (verify alone did)
     assert main([str(tmp_path / 'missing'), '--batch-size', '4']) == 1
     assert f"('{tmp_path / 'missing.partial'}' holds an unfinished one: run precompute again" in capsys.readouterr().out
+
+
+def test_the_readme_s_example_report_is_what_the_check_prints(tmp_path, capsys):
+    """The README's example output is an excerpt typed into it: each of its lines of the table and each sentence of
+    its verdict must be what the check prints, up to the numbers (its own run was on the demo's store)."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / 'README.md').read_text()
+    example = readme.split("For example, on the demo's store", 1)[1].split('\n### ', 1)[0]
+    block = [line[4:] for line in example.splitlines() if line.startswith('    ')]
+    verdict_at = block.index('verdict:')
+
+    def masked(text):  # numbers out, whitespace (the README's wrapping) to single spaces
+        return ' '.join(re.sub(r'\d+(\.\d+)?', '#', text).split())
+
+    rng = np.random.default_rng(0)
+    image = unit(rng.standard_normal((2048, 16)))  # a reference that finds about a tenth of its pairs first
+    store = write_store(tmp_path / 's', image, unit(image + 0.6 * rng.standard_normal((2048, 16))))
+    assert main([str(store), '--batch-size', '64', '--temperature', '0.01']) == 0
+    printed = capsys.readouterr().out
+    table = [masked(line) for line in printed.split('verdict:', 1)[0].splitlines()]
+    verdict = masked(printed.split('verdict:', 1)[1])
+    for line in block[:verdict_at]:
+        assert masked(line) in table, line
+    sentences = re.split(r'(?<=[.)])\s+(?=[A-Z])', ' '.join(block[verdict_at + 1:]))
+    assert len(sentences) >= 5
+    for sentence in sentences:
+        assert masked(sentence) in verdict, sentence
