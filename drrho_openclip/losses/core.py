@@ -26,7 +26,7 @@ from torch import nn
 from .base import WINDOW_NOT_OPENED, ReferenceFeatures, check_eval_call, keep_in_graph
 from .collectives import gather_batch
 from .dense import dense_aggregate
-from .distill import ReferenceLogitScale, distillation_loss
+from .distill import ReferenceLogitScale, check_distill_weight, distillation_loss
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
 from .state import (MovingAverageState, SampleSharding, check_index_shape, check_same_window,
                     missing_state_message, per_sample_tables)
@@ -107,8 +107,6 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             raise ValueError("ρ from the batch (rho=None) needs target_negatives")
         if not 0 <= reference_weight < math.inf:
             raise ValueError(f"reference_weight α must be ≥ 0, got {reference_weight}")
-        if not 0 <= distill_weight <= 1:
-            raise ValueError(f"distill_weight λ must be in [0, 1] (0: no distillation), got {distill_weight}")
         self.temperature = temperature
         self.log_eps = None if epsilon is None else math.log(epsilon)
         self.rho = rho
@@ -121,7 +119,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.world_size = world_size
         self.aggregate = aggregate
         self.positive_in_denominator = positive_in_denominator
-        self.distill_weight = distill_weight
+        self.distill_weight = check_distill_weight(distill_weight)
         self.teacher_logit_scale = None
         self.distill_rows = distill_rows  # anchors per chunk of the KD term (0: all at once); the tiled core's T
         if distill_weight > 0:

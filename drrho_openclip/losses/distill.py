@@ -37,6 +37,13 @@ REFERENCE_SCALE_STATE_KEYS = frozenset({'teacher_logit_scale.value', 'reference_
 TEACHER_SCALE_RANGE = (1.0, 100.0)
 
 
+def check_distill_weight(weight: float) -> float:
+    """λ of (1 − λ) · contrastive + λ · KD."""
+    if not 0 <= weight <= 1:
+        raise ValueError(f"distill_weight λ must be in [0, 1] (0: no distillation), got {weight}")
+    return weight
+
+
 def soft_cross_entropy(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """mean over rows of −Σ_j softmax(teacher)_ij · log softmax(student)_ij."""
     return -(teacher_logits.softmax(dim=1) * student_logits.log_softmax(dim=1)).sum(dim=1).mean()

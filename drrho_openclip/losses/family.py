@@ -4,12 +4,13 @@ from .adnce import adnce_log_weight
 from .balanced import BalancedClipLoss
 from .clip import ClipLoss
 from .core import DROContrastiveLoss
+from .distill import check_distill_weight
 from .jest import JESTLoss
 from .mobileclip import MobileClipLoss
 from .registry import AUTO, DISTRIBUTED, TAU_OBJECTIVES, TEMPERATURE_OPTIMIZERS, register_loss
 from .state import MovingAverageState, SampleSharding, resolve_state_layout
 from .temperatures import (FixedTemperature, LearnedTemperature, LogitScaleTemperature, PerSampleTemperature,
-                           TempNetTemperature)
+                           TempNetTemperature, check_target_negatives)
 from .tiled import make_tiled_aggregate
 
 # The run options (registry.py) of the losses with per-sample state, and of those with CLIP's loss
@@ -120,10 +121,9 @@ def _global_temperature(o, reference_shift):
 def _rho(o):
     """(ρ, target_negatives) of the core: ρ from the batch ('auto', None for the core) or as given."""
     _check_auto(o, 'rho', 0)
-    if o.rho == AUTO and not o.target_negatives >= 1:
-        raise ValueError(f"target_negatives must be ≥ 1 (an anchor has at least one negative), got "
-                         f"{o.target_negatives}")
-    return (None if o.rho == AUTO else o.rho), o.target_negatives
+    if o.rho == AUTO:
+        return None, check_target_negatives(o.target_negatives)
+    return o.rho, o.target_negatives
 
 
 def _state_inactive(o, per_sample_temperature=False) -> dict:
@@ -220,8 +220,7 @@ def _dro(o, reference_shift, temperature=None, sharding=None, **core_options):
                help="OpenCLIP's mini-batch contrastive loss (its own ClipLoss, unchanged), or with distill_weight > 0 "
                     "MobileCLIP's: (1−λ) CLIP + λ KD from the reference model")
 def clip(o):
-    if not 0 <= o.distill_weight <= 1:
-        raise ValueError(f"distill_weight λ must be in [0, 1] (0: no distillation), got {o.distill_weight}")
+    check_distill_weight(o.distill_weight)
     options = dict(local_loss=o.local_loss, gather_with_grad=o.gather_with_grad, rank=o.rank, world_size=o.world_size)
     if o.distill_weight:
         return MobileClipLoss(o.distill_weight, o.reference_logit_scale, **options)

@@ -117,6 +117,14 @@ def temperature_for_effective_negatives(margins: torch.Tensor, target: float, ta
     return high.exp()
 
 
+def check_target_negatives(target_negatives: float) -> float:
+    """The k of ρ from the batch and of an 'auto' τ, refused where no anchor could rest on it."""
+    if not target_negatives >= 1:
+        raise ValueError(f"target_negatives must be ≥ 1 (an anchor has at least one negative), got "
+                         f"{target_negatives}")
+    return target_negatives
+
+
 def rho_for_batch(batch_size: int, target_negatives: float) -> float:
     """ρ = log((B − 1)/k): a learned τ settles where the anchors' KL(p ‖ uniform) is ρ, i.e. where they spread their
     weight over k = (B − 1)·e^(−ρ) effective negatives (0 when the batch has no more than k negatives)."""
@@ -164,10 +172,8 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
             raise ValueError(f"need 0 < tau_min ≤ temperature ≤ tau_max, got {tau_min}, {tau_init}, {tau_max}")
         if lr is not None and lr < 0:
             raise ValueError(f"the temperature's learning rate lr_tau must be ≥ 0, got {lr}")
-        if not target_negatives >= 1:
-            raise ValueError(f"target_negatives must be ≥ 1 (an anchor has at least one negative), got "
-                             f"{target_negatives}")
-        self.tau_min, self.tau_max, self.lr, self.target_negatives = tau_min, tau_max, lr, target_negatives
+        self.tau_min, self.tau_max, self.lr = tau_min, tau_max, lr
+        self.target_negatives = check_target_negatives(target_negatives)
         self.auto_lr = lr is None  # set from the run's length by set_total_steps
         self.world_size = world_size
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
