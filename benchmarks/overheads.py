@@ -371,7 +371,6 @@ def main(argv=None):
 
     import torch
     from drrho_openclip.losses import list_losses
-    torch.set_num_threads(args.threads)
     cuda = args.device.startswith('cuda')
     if cuda and not torch.cuda.is_available():
         raise SystemExit('--device cuda: no CUDA device')
@@ -396,6 +395,7 @@ def main(argv=None):
     if untimed:
         p.error(f"--memory-losses/--memory-sizes: {', '.join(untimed)} not timed; the memory is reported beside "
                 f"the time: add them to --losses/--sizes")
+    torch.set_num_threads(args.threads)  # after the checks: a refused call leaves the caller's threads alone
     start = time.time()
 
     print(f"[1/3] loss forward+backward time: {len(names)} losses x B {sizes}, d {dim}, {repeats} rounds", flush=True)

@@ -398,9 +398,11 @@ def test_overheads_smoke_writes_its_json(tmp_path):
     (['--sizes', '8', '--memory-sizes', '16'], 'B=16 not timed')])
 def test_overheads_refuses_losses_and_sizes_it_cannot_report(flags, message, capsys):
     import overheads
+    threads = torch.get_num_threads()
     with pytest.raises(SystemExit) as stop:
         overheads.main(['--smoke', *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert torch.get_num_threads() == threads  # refused before it sets the measuring processes' thread count
 
 
 def test_evidence_summary_relates_every_method_to_clip(tmp_path):
