@@ -57,8 +57,8 @@ FLAT_MARGIN_STD = 1e-5
 # The full shift (α = 1) beat the default α on the mean in 11 of the 13 evidence settings where a `clip` target's
 # recall stayed below this fraction of the reference's (level in the other two), and lost in 12 of the 16 where it
 # reached it; of the other four, three (0.41 to 0.46) won or level, one (0.52) won on the mean within a spread
-# (docs/defaults.md, "When to use the paper's full shift"),
-# all of them small runs: the paper's own at 10^8-10^9 samples seen do not follow it (README)
+# (docs/defaults.md, "When to use the paper's full shift"), all of them small runs: the paper's own at 10^8-10^9
+# samples seen do not follow it (README)
 FULL_SHIFT_MAX_TARGET_FRACTION = 0.4
 # ... and the settings within about this distance of it (0.39 to 0.46) were mostly within a spread either way
 FULL_SHIFT_TIE_BAND = 0.05

@@ -1,6 +1,8 @@
 """`drrho-openclip-features check`: the reference's retrieval, its margins and the DRO weights' effective number of
 negatives, against float64 computations from their definitions, and the verdict a user reads."""
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,8 +304,6 @@ def test_keys_only_store_is_refused_by_name(tmp_path, capsys):
 def test_the_readme_s_example_report_is_what_the_check_prints(tmp_path, capsys):
     """The README's example output is an excerpt typed into it: each of its lines of the table and each sentence of
     its verdict must be what the check prints, up to the numbers (its own run was on the demo's store)."""
-    import re
-    from pathlib import Path
     readme = (Path(__file__).parents[1] / 'README.md').read_text()
     example = readme.split("For example, on the demo's store", 1)[1].split('\n### ', 1)[0]
     block = [line[4:] for line in example.splitlines() if line.startswith('    ')]
