@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import without_dropout
-from drrho_openclip.losses import attach_to_model, create_loss, get_loss_spec, list_losses, option_names
+from drrho_openclip.losses import DROContrastiveLoss, FixedTemperature, attach_to_model, create_loss, get_loss_spec, list_losses, option_names
 
 
 def unit(g, n, d, dtype=torch.float32):
@@ -134,6 +134,14 @@ def test_drrho_paper_is_drrho_with_the_papers_three_flags():
 def test_bad_options_raise(name, options, message):
     with pytest.raises(ValueError, match=message.replace('(', r'\(').replace(')', r'\)').replace('[', r'\[')):
         create_loss(name, **options)
+
+
+def test_the_core_built_directly_checks_target_negatives_when_rho_comes_from_the_batch():
+    """Built without the registry, the core refuses a k < 1 too: log((B − 1)/k) would ask for more effective
+    negatives than an anchor has."""
+    with pytest.raises(ValueError, match='target_negatives must be ≥ 1'):
+        DROContrastiveLoss(FixedTemperature(0.07), epsilon=1e-8, rho=None, target_negatives=0.5)
+    DROContrastiveLoss(FixedTemperature(0.07), epsilon=1e-8, rho=2.0, target_negatives=0.5)  # ρ given: k unread
 
 
 def test_bad_calls_raise():

@@ -30,7 +30,7 @@ from .distill import ReferenceLogitScale, check_distill_weight, distillation_los
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
 from .state import (MovingAverageState, SampleSharding, check_index_shape, check_same_window,
                     missing_state_message, per_sample_tables)
-from .temperatures import rho_for_batch
+from .temperatures import check_target_negatives, rho_for_batch
 from .tiled import negative_weight_entropy
 
 
@@ -103,8 +103,10 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                              + ("both" if epsilon is not None else "neither"))
         if epsilon is not None and epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
-        if rho is None and target_negatives is None:
-            raise ValueError("ρ from the batch (rho=None) needs target_negatives")
+        if rho is None:
+            if target_negatives is None:
+                raise ValueError("ρ from the batch (rho=None) needs target_negatives")
+            check_target_negatives(target_negatives)
         if not 0 <= reference_weight < math.inf:
             raise ValueError(f"reference_weight α must be ≥ 0, got {reference_weight}")
         self.temperature = temperature
