@@ -3,6 +3,7 @@ import gc
 import hashlib
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,19 @@ from drrho_openclip.losses.registry import get_loss_spec, list_losses
 DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
 
 
+@pytest.fixture(scope='session')
+def drrho_run(shapes, tmp_path_factory) -> Path:
+    """One epoch of DRRHO on the shapes, trained once per test process: the tests that resume from it copy it."""
+    logs = tmp_path_factory.mktemp('drrho_run')
+    run_openclip(train_args(shapes, logs, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    return logs / 'run'
+
+
+def copy_run(run: Path, logs: Path):
+    """`run` as the folder 'run' of `logs`, so that a test may change or resume its checkpoints."""
+    shutil.copytree(run, logs / 'run')
+
+
 def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
     result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref'], epochs=2))
     assert 'drrho-openclip: --loss drrho' in result.stderr + result.stdout
@@ -46,8 +60,8 @@ def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
                                    # the same state entries as drrho's (u, a learned τ): only the name tells
                                    ('--loss', 'sogclr', '--gamma', '0.5', '--gamma-decay-epochs', '2',
                                     '--learn-temperature')])
-def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
-    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+def test_resuming_with_another_loss_names_both(shapes, drrho_run, tmp_path, other):
+    copy_run(drrho_run, tmp_path)
     first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     digest = hashlib.sha256(first.read_bytes()).hexdigest()
     result = run_openclip(train_args(shapes, tmp_path, 'other', *other, '--resume', first, epochs=2), check=False)
@@ -59,10 +73,10 @@ def test_resuming_with_another_loss_names_both(shapes, tmp_path, other):
     assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
 
 
-def test_a_remote_checkpoint_is_checked_as_a_local_one(shapes, tmp_path):
+def test_a_remote_checkpoint_is_checked_as_a_local_one(shapes, drrho_run, tmp_path):
     """--remote-sync's --resume latest is a URL, which OpenCLIP reads itself: its loss state is checked when it
     arrives (a run resumed another loss's state without a word). Here the same state entries as drrho's."""
-    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    copy_run(drrho_run, tmp_path)
     url = (tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt').as_uri()
     result = run_openclip(train_args(shapes, tmp_path, 'other', '--loss', 'sogclr', '--gamma', '0.5',
                                      '--gamma-decay-epochs', '2', '--learn-temperature', '--resume', url, epochs=2),
@@ -73,10 +87,10 @@ def test_a_remote_checkpoint_is_checked_as_a_local_one(shapes, tmp_path):
     assert not list((tmp_path / 'other' / 'checkpoints').glob('*.pt'))
 
 
-def test_a_refused_resume_announces_no_change_first(shapes, tmp_path):
+def test_a_refused_resume_announces_no_change_first(shapes, drrho_run, tmp_path):
     """--gamma 1 keeps no u, so a drrho checkpoint's state does not fit: the run stops, without first warning that
     it resumes with --gamma 1."""
-    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    copy_run(drrho_run, tmp_path)
     first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     result = run_openclip(train_args(shapes, tmp_path, 'other', '--loss', 'drrho', '--gamma', '1', '--ref-features',
                                      shapes['ref'], '--resume', first, epochs=2), check=False)
@@ -84,12 +98,12 @@ def test_a_refused_resume_announces_no_change_first(shapes, tmp_path):
     assert 'resuming with' not in result.stderr
 
 
-def test_a_moved_dataset_reads_its_store_and_resumes(shapes, tmp_path, capsys):
+def test_a_moved_dataset_reads_its_store_and_resumes(shapes, drrho_run, tmp_path, capsys):
     """Copying the images elsewhere (a node's local disk) keeps each row's file below another folder: the store and
     the checkpoint of the same rows still apply, with a warning naming both folders; a checkpoint that recorded the
     paths as written (before 2026-11-29) resumes on them as before. A renamed CSV says a CSV's shard is its file
     name."""
-    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    copy_run(drrho_run, tmp_path)
     first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     lines = shapes['csv'].read_text().splitlines()
     images = [line.split('\t')[0] for line in lines[1:]]
@@ -190,9 +204,9 @@ def test_distillation_can_be_added_or_dropped_on_resume_whatever_its_teacher_sca
     assert 'per-sample state' not in dropped.stderr
 
 
-def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(shapes, tmp_path):
+def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(shapes, drrho_run, tmp_path):
     """Checkpoints written before they recorded their run: the loss state's entries tell another loss."""
-    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    copy_run(drrho_run, tmp_path)
     first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     saved = torch.load(first, weights_only=False)
     del saved['loss_state'][RUN_KEY]
@@ -204,10 +218,10 @@ def test_a_checkpoint_without_the_run_it_records_names_the_state_that_differs(sh
             f"sogclr (differing: temperature.exp_avg") in result.stderr, result.stderr[-2000:]
 
 
-def test_resuming_onto_other_samples_stops_and_other_settings_are_named(shapes, tmp_path):
+def test_resuming_onto_other_samples_stops_and_other_settings_are_named(shapes, drrho_run, tmp_path):
     """The per-sample state's rows are the CSV's rows: the same rows in another order would give each sample
     another's u. Another reference model or other options resume, with a warning naming them."""
-    run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref']))
+    copy_run(drrho_run, tmp_path)
     first = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     lines = shapes['csv'].read_text().splitlines()
     store = FeatureStore.open(shapes['ref'])
