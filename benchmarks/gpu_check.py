@@ -173,13 +173,15 @@ def _two_rank_worker(rank, case, device, port, results):
     import torch.distributed as dist
     backend = 'gloo' if device == 'cpu' else 'cuda:gloo'
     dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=WORLD)
-    try:
-        steps, state, sharded = _steps(case, rank, WORLD, device)
-        if sharded:  # every rank's block, concatenated in rank order, is the whole table
-            state = {k: torch.cat(_gather_objects(v.cpu(), dist)) for k, v in state.items()}
-        results[rank] = ([[t.cpu() for t in step] for step in steps], {k: v.cpu() for k, v in state.items()})
-    finally:
-        dist.destroy_process_group()
+    steps, state, sharded = _steps(case, rank, WORLD, device)
+    if sharded:  # every rank's block, concatenated in rank order, is the whole table
+        state = {k: torch.cat(_gather_objects(v.cpu(), dist)) for k, v in state.items()}
+    results[rank] = ([[t.cpu() for t in step] for step in steps], {k: v.cpu() for k, v in state.items()})
+    dist.barrier()  # no rank leaves while another is still in a collective
+    # Leave without tearing the group down: torch 2.6's gloo destructor joins its worker thread while holding the
+    # GIL, which that thread may need to free a finished collective's tensors, and hung now and then. A rank that
+    # raises before this line makes mp.spawn stop the other and raise.
+    os._exit(0)
 
 
 def _gather_objects(tensor, dist):

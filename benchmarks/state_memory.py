@@ -149,7 +149,8 @@ def time_worker(rank, world_size, store, out, num_samples, batch, steps, warmup,
     if rank == 0:
         import torch as _t
         _t.save({f'{k[0]}|{k[1]}': v for k, v in results.items()}, out)
-    dist.destroy_process_group()
+    dist.barrier()  # rank 1 leaves once rank 0's file is written
+    os._exit(0)  # without tearing the group down: torch 2.6's gloo destructor hung now and then (gpu_check.py)
 
 
 def measure_time(num_samples, batch, steps, warmup, dim):

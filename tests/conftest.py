@@ -136,11 +136,14 @@ def _gloo_rank(rank, world_size, compute, out_dir):
                             world_size=world_size)
     torch.set_num_threads(1)
     torch.save(compute(rank, world_size), Path(out_dir) / f'rank{rank}.pt')
-    dist.destroy_process_group()
-    # The results are on disk; leave without interpreter finalization. After torch.distributed.nn's all_gather
-    # (OpenCLIP's gather with gradient), torch 2.14's teardown at exit aborts now and then (SIGABRT, "terminate
-    # called without an active exception": 9 of 50 two-rank runs here), which would fail a test whose results
-    # are correct. A rank that fails before this line still raises, and its missing file fails the test.
+    dist.barrier()  # no rank leaves while another is still in a collective
+    # The results are on disk; leave without tearing the group down or finalizing the interpreter. torch 2.6's
+    # destroy_process_group hung now and then (4 of 30 runs of one test here): the gloo group's destructor joins
+    # its worker thread while holding the GIL, and that thread may still be freeing a finished collective's
+    # tensors, which needs the GIL. And after torch.distributed.nn's all_gather (OpenCLIP's gather with gradient),
+    # torch 2.14's teardown at exit aborts now and then (SIGABRT, "terminate called without an active exception":
+    # 9 of 50 two-rank runs here). Either would fail a test whose results are correct. A rank that fails before
+    # this line still raises (mp.spawn then stops the others), and its missing file fails the test.
     os._exit(0)
 
 
