@@ -29,7 +29,7 @@ DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
 
 @pytest.fixture(scope='session')
 def drrho_run(shapes, tmp_path_factory) -> Path:
-    """One epoch of DRRHO on the shapes, trained once per test process: the tests that resume from it copy it."""
+    """One epoch of `DRRHO` on the shapes, trained once per test process: the tests that resume from it copy it."""
     logs = tmp_path_factory.mktemp('drrho_run')
     run_openclip(train_args(shapes, logs, 'run', *DRRHO, '--ref-features', shapes['ref']))
     return logs / 'run'
