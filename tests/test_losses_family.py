@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import without_dropout
-from drrho_openclip.losses import DROContrastiveLoss, FixedTemperature, attach_to_model, create_loss, get_loss_spec, list_losses, option_names
+from drrho_openclip.losses import (DROContrastiveLoss, FixedTemperature, attach_to_model, create_loss, get_loss_spec,
+                                   list_losses, option_names)
 
 
 def unit(g, n, d, dtype=torch.float32):
