@@ -56,7 +56,7 @@ SUGGESTED_TEMPERATURE = DRRHO_DEFAULTS['temperature']
 FLAT_MARGIN_STD = 1e-5
 # The full shift (α = 1) beat the default α on the mean in 11 of the 13 evidence settings where a `clip` target's
 # recall stayed below this fraction of the reference's (level in the other two), and lost in 12 of the 16 where it
-# reached it; of the other four, three (0.41 to 0.46) won or level, one (0.52) won on the mean within a spread
+# reached it; of the other four, three (0.40 to 0.46) won or level, one (0.52) won on the mean within a spread
 # (docs/defaults.md, "When to use the paper's full shift"), all of them small runs: the paper's own at 10^8-10^9
 # samples seen do not follow it (README)
 FULL_SHIFT_MAX_TARGET_FRACTION = 0.4
@@ -241,7 +241,7 @@ def verdict(r: ReferenceReport) -> List[str]:
                 f"11 of the 13 evidence settings where a --loss clip model's mean recall stayed below {fraction:g} of "
                 f"the reference's on the same held-out pairs (0.94-2.15x its mean recall against 0.81-1.85x; level "
                 f"in the other two), and worse in 12 of the 16 where it reached that or more (the other four, at "
-                f"0.41-0.52, better or level; near {fraction:g} mostly within a spread). Those runs saw up to 5e5 "
+                f"0.40-0.52, better or level; near {fraction:g} mostly within a spread). Those runs saw up to 5e5 "
                 f"samples; at the paper's 3e8-1.3e9 its targets ended at 0.8-1.3 of their references' accuracy and "
                 f"the full shift still beat the reference-free FastCLIP, so there the rule does not hold as measured "
                 f"here. Here the reference's mean recall (of its R@1 and R@5 both ways) is {r.mean_recall:.1f}% on "
