@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from drrho_openclip.features import FeatureStoreWriter
-from drrho_openclip.reference_check import (SUGGESTED_TEMPERATURE, TARGET_NEGATIVES,
-                                            batch_margins, check, effective_negatives, main, random_batches,
+from drrho_openclip.reference_check import (FULL_SHIFT_EVIDENCE, FULL_SHIFT_MAX_TARGET_FRACTION,
+                                            SUGGESTED_TEMPERATURE, TARGET_NEGATIVES, batch_margins, check, effective_negatives, main, random_batches,
                                             retrieval, retrieval_ranks)
 
 
@@ -186,6 +186,33 @@ def test_the_verdict_points_to_the_full_shift_only_below_it(tmp_path):
     assert report.mean_recall == pytest.approx(mean_recall) and 10 < mean_recall < 90
     line = next(line for line in report.verdict if line.startswith("The paper's full shift"))
     assert f"is {mean_recall:.1f}% on 1200 pairs" in line and f"stay below {0.4 * mean_recall:.1f}%." in line
+
+
+def test_the_rule_s_tally_is_the_table_it_comes_from():
+    """The verdict's counts and ranges are those of the evidence table in docs/defaults.md, tallied on each side of
+    the fraction: a row added to the table, or a winner changed, without the verdict following fails here."""
+    docs = (Path(__file__).parents[1] / 'docs' / 'defaults.md').read_text()
+    header = "| setting (global batch) | `clip` ÷ reference recall | `--reference-weight 1` | default (0.25) |"
+    rows = docs.split(header, 1)[1].split('\n\n', 1)[0].strip().splitlines()[1:]  # past the |---| line
+
+    def times_clip(cell):
+        return float(re.fullmatch(r'(\*\*)?([\d.]+)×(\*\*)?', cell).group(2))
+    sides = {'below': [], 'above': []}
+    for row in rows:
+        _, ratio, full, default = [cell.strip() for cell in row.strip().strip('|').split('|')]
+        side = 'below' if float(ratio) < FULL_SHIFT_MAX_TARGET_FRACTION else 'above'
+        sides[side].append((float(ratio), full.startswith('**'), default.startswith('**'),
+                            times_clip(full), times_clip(default)))
+    assert len(rows) == sum(map(len, sides.values())) >= 29
+    tallied = {}
+    for side, settings in sides.items():
+        winner = 1 if side == 'below' else 2  # the weight the rule picks there
+        exceptions = [ratio for ratio, *bold, _, _ in settings if not bold[winner - 1]]
+        tallied[side] = dict(settings=len(settings), full_better=sum(s[1] for s in settings),
+                             default_better=sum(s[2] for s in settings), exceptions=(min(exceptions), max(exceptions)),
+                             full=(min(s[3] for s in settings), max(s[3] for s in settings)),
+                             default=(min(s[4] for s in settings), max(s[4] for s in settings)))
+    assert tallied == FULL_SHIFT_EVIDENCE
 
 
 def test_a_clip_recall_turns_the_rule_into_a_reference_weight(tmp_path, capsys):
