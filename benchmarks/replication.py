@@ -537,12 +537,12 @@ def heldout_retrieval(model, images, texts, labels=None, known=None) -> dict:
     identical features, so they tie exactly, and a tie does not rank above the pair's own caption. With the pairs'
     class `labels`, also the class-level top-1 both ways (`class_top1`). With `known`, a boolean per pair, also the
     mean recall of the pairs it marks and of the others as queries (against all candidates): `known_tokens_recall`
-    and `new_tokens_recall`."""
+    and `new_tokens_recall`, when both groups have pairs (a split with one side empty says nothing)."""
     import torch
     tokens, index = texts
     image_features, text_features = _features(model, images, tokens)
     out = recall_with_mean(image_features, text_features[index], labels)
-    if known is not None:
+    if known is not None and 0 < int(known.sum()) < len(known):
         from drrho_openclip.reference_check import retrieval_ranks
         ranks = retrieval_ranks(image_features.double(), text_features[index].double())
         hits = torch.stack([(rank < k).double() for rank in ranks.values() for k in (1, 5)]).mean(0)  # per pair
