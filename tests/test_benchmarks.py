@@ -671,9 +671,16 @@ def test_replication_runs_end_to_end_with_a_reference_it_trains(tmp_path):
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     saved = json.loads((tmp_path / 'out' / 'replication_quick.json').read_text())
-    assert 0 <= saved['reference_mean_recall'] <= 100 and 'known_tokens_recall' in saved['reference_retrieval']
-    assert sorted((run['loss'], run['seed']) for run in saved['runs'] if 'error' not in run) == [
+    assert 0 <= saved['reference_mean_recall'] <= 100
+    runs = [run for run in saved['runs'] if 'error' not in run]
+    assert sorted((run['loss'], run['seed']) for run in runs) == [
         (loss, seed) for loss in ('clip', 'drrho') for seed in (0, 1, 2)]
+    # the held-out recall is split by the captions' tokens exactly when both groups have pairs
+    known = runs[0]['known_token_pairs']
+    assert 0 <= known <= saved['reference_test_images']
+    split = 0 < known < saved['reference_test_images']
+    for retrieval in [saved['reference_retrieval'], *(run['retrieval'] for run in runs)]:
+        assert ('known_tokens_recall' in retrieval) == ('new_tokens_recall' in retrieval) == split
 
 
 def test_temperature_defaults_trains_every_step_whatever_the_batch(tmp_path):
