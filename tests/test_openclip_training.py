@@ -359,11 +359,15 @@ def test_killed_run_resumes_exactly(shapes, tmp_path, name):
 def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, name):
     loss = loss_args(shapes, name)
     run_openclip(train_args(shapes, tmp_path, 'one', *loss, *SGD, batch_size=8, epochs=2))
-    run_openclip(train_args(shapes, tmp_path, 'two', *loss, *SGD, '--local-loss', '--gather-with-grad', batch_size=4,
-                            epochs=2), nproc=2)
+    two = run_openclip(train_args(shapes, tmp_path, 'two', *loss, *SGD, '--local-loss', '--gather-with-grad',
+                                  batch_size=4, epochs=2), nproc=2)
     one = checkpoint(tmp_path, 'one', 2)
     assert_equivalent_runs(one, checkpoint(tmp_path, 'two', 2), prefix='module.')
     assert_training_moved(checkpoint(tmp_path, 'one', 1), one)
+    # both processes log (OpenCLIP's line for each), the plugin's lines about the whole run come once, not per rank
+    log = two.stdout + two.stderr
+    assert all(f"Process (global: {rank}, local {rank}), total 2" in log for rank in (0, 1))
+    assert log.count(f"drrho-openclip: --loss {name.split('+')[0]} (") == 1
 
 
 def test_resuming_a_finished_run_says_it_trains_nothing(shapes, tmp_path):

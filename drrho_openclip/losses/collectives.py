@@ -1,10 +1,13 @@
-"""Every collective of the losses: all-gather, all-gather with gradient, all-reduce, broadcast of an object.
+"""Every collective of the losses: all-gather, all-gather with gradient, all-reduce, broadcast of an object; and the
+one place that asks the process group which rank this is, for the log lines about the whole run.
 
 Each call names the device its process group communicates on (the features' device), and refuses a tensor that
 lives elsewhere: NCCL accepts CUDA tensors only, and a CPU tensor reaching it fails deep inside the backend (a CPU
 sample index in an all-gather is how sharded state once crashed on GPUs). The check is a device comparison, no
 synchronisation, and runs with one process too, so a single-device run already catches a misplaced tensor.
 """
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -73,3 +76,14 @@ def broadcast_object(value, world_size: int, device: torch.device):
     box = [value]
     dist.broadcast_object_list(box, src=0, device=device)
     return box[0]
+
+
+def _first_process(record: logging.LogRecord) -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+# Lines about the whole run, logged by the first process only: every rank builds the same loss and reads the same flags
+# and checkpoint, and 64 ranks would print 64 copies. A line about one rank's own share (its rows of the per-sample
+# state, its shards) is logged by that rank with `logging` directly.
+run_log = logging.getLogger('drrho_openclip.run')
+run_log.addFilter(_first_process)

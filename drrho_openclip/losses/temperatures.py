@@ -18,7 +18,6 @@ effective number n_eff = exp(entropy) = (B − 1)·exp(−KL(p ‖ uniform)), an
 τ settles where the anchors' KL is ρ. One number, the target effective negatives per anchor k, therefore sets both
 the τ to start from (`temperature_for_effective_negatives`) and ρ = log((B − 1)/k) (`rho_for_batch`).
 """
-import logging
 import math
 from typing import Optional
 
@@ -27,11 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import KeepsStatePrecision, keyed_uniform
-from .collectives import all_reduce, check_device
+from .collectives import all_reduce, check_device, run_log
 from .precision import at_least_float32
 from .state import SampleSharding
-
-logger = logging.getLogger(__name__)
 
 
 class FixedTemperature(KeepsStatePrecision, nn.Module):
@@ -223,19 +220,19 @@ class LearnedTemperature(KeepsStatePrecision, nn.Module):
             # once per run: the τ it starts from is otherwise seen only in the first logged step's metrics
             start = tau.item()
             if start <= self.tau_min * 1.001:  # at any τ the anchors spread over more: margins (near) zero
-                logger.warning(f"drrho-openclip: temperature 'auto' starts at its lower bound τ = {start:.4g}: the "
-                               f"first batch's reference margins are too small to give an anchor as few as "
-                               f"{self.target_negatives:g} effective negatives at any τ (a reference that scores "
-                               f"every pair alike?); give --temperature a number")
+                run_log.warning(f"drrho-openclip: temperature 'auto' starts at its lower bound τ = {start:.4g}: the "
+                                f"first batch's reference margins are too small to give an anchor as few as "
+                                f"{self.target_negatives:g} effective negatives at any τ (a reference that scores "
+                                f"every pair alike?); give --temperature a number")
             elif start >= self.tau_max / 1.001:  # at any τ fewer: B − 1 ≤ k
-                logger.warning(f"drrho-openclip: temperature 'auto' starts at its upper bound τ = {start:.4g}: even "
-                               f"there the first batch's median anchor has fewer than {self.target_negatives:g} "
-                               f"effective negatives (a global batch of B has B − 1 negatives); give --temperature a "
-                               f"number, or a smaller --target-negatives")
+                run_log.warning(f"drrho-openclip: temperature 'auto' starts at its upper bound τ = {start:.4g}: even "
+                                f"there the first batch's median anchor has fewer than {self.target_negatives:g} "
+                                f"effective negatives (a global batch of B has B − 1 negatives); give --temperature a "
+                                f"number, or a smaller --target-negatives")
             else:
-                logger.info(f"drrho-openclip: temperature 'auto' starts at τ = {start:.4g}: the reference shift "
-                            f"alone gives the first batch's median anchor {self.target_negatives:g} effective "
-                            f"negatives")
+                run_log.info(f"drrho-openclip: temperature 'auto' starts at τ = {start:.4g}: the reference shift "
+                             f"alone gives the first batch's median anchor {self.target_negatives:g} effective "
+                             f"negatives")
         if self.lr == 0:
             tau = self.log_tau.exp()
         else:

@@ -24,7 +24,7 @@ import torch
 
 from ..losses import (ATTACHED_PREFIX, REFERENCE_SCALE_STATE_KEYS, attached_names, load_state_shards, per_sample_tables,
                       save_state_shards)
-from ..losses.collectives import broadcast_object, ranks_where
+from ..losses.collectives import broadcast_object, ranks_where, run_log
 from .flags import CHOSEN_BY_THE_RUN, csv_fingerprint_as_written, flag, trains
 from .run import Run
 
@@ -102,11 +102,11 @@ def check_resumed_loss(loss, run: Run, args):
                              f"run's --loss {loss_name} attaches {', '.join(sorted(own)) or 'none'}: "
                              f"{'train' if trains(args) else 'evaluate'} with the --loss flags it was trained with")
         if bare and trains(args):
-            logging.info(f"drrho-openclip: --resume '{args.resume}' holds a model's weights only (no epoch): "
+            run_log.info(f"drrho-openclip: --resume '{args.resume}' holds a model's weights only (no epoch): "
                          f"OpenCLIP starts a new run from them, and the loss's state starts anew")
         return
     if checkpoint.get('epoch', 0) >= args.epochs:  # OpenCLIP then ends without a word
-        logging.warning(f"drrho-openclip: --resume '{args.resume}' is at epoch {checkpoint['epoch']} of --epochs "
+        run_log.warning(f"drrho-openclip: --resume '{args.resume}' is at epoch {checkpoint['epoch']} of --epochs "
                         f"{args.epochs}: the run is complete and trains nothing more (a variant needs its own --name; "
                         f"more --epochs train on, with the schedules stretched to the new length)")
     check_loss_state(checkpoint.get('loss_state') or {}, loss, run, args, weights)
@@ -248,17 +248,17 @@ def _warn_of_changes(saved: dict, run: Run, args, shifted_state: bool):
     per-sample state of a reference-shifted loss."""
     resume = f"drrho-openclip: --resume '{args.resume}'"
     if saved.get('reference') != run.provenance.get('reference'):
-        logging.warning(f"{resume} was trained with {saved.get('reference') or 'no reference model'}, this run "
+        run_log.warning(f"{resume} was trained with {saved.get('reference') or 'no reference model'}, this run "
                         f"reads {run.provenance.get('reference') or 'none'}" +
                         (": its per-sample state was estimated under the other reference's shift, and follows this "
                          "one's within about an epoch" if shifted_state else ""))
     batch = run.provenance.get('global_batch')
     if saved.get('global_batch') not in (None, batch):
-        logging.warning(f"{resume} was trained at global batch {saved['global_batch']}, this run's is {batch} "
+        run_log.warning(f"{resume} was trained at global batch {saved['global_batch']}, this run's is {batch} "
                         f"(--batch-size × --accum-freq × processes): what the loss takes from the batch follows it "
                         f"(ρ auto, τ's --lr-tau auto through the run's steps, an auto --tile-size)")
     if saved.get('epochs') not in (None, args.epochs):
-        logging.warning(f"{resume} was trained with --epochs {saved['epochs']}, this run's is {args.epochs}: the "
+        run_log.warning(f"{resume} was trained with --epochs {saved['epochs']}, this run's is {args.epochs}: the "
                         f"schedules that follow the run's length start over at its new length (OpenCLIP's learning "
                         f"rate, --lr-tau auto), so the resumed epochs are not those of a run of {args.epochs} epochs")
     options, saved_options = run.provenance.get('options', {}), saved.get('options', {})
@@ -270,7 +270,7 @@ def _warn_of_changes(saved: dict, run: Run, args, shifted_state: bool):
         # a learned τ (isogclr's per-sample ones have no switch) is state: the checkpoint's, not a new start
         restored = 'temperature' in options and options.get('learn_temperature', True) and \
             saved_options.get('temperature') != options['temperature']
-        logging.warning(f"{resume} was trained with other --loss {run.loss_name} options; resuming with "
+        run_log.warning(f"{resume} was trained with other --loss {run.loss_name} options; resuming with "
                         f"{', '.join(changed)}" + ("; a learned τ resumes from the checkpoint's, so --temperature, "
                                                    "the start of a new run, does not apply" if restored else ""))
 

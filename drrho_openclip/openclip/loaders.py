@@ -7,7 +7,6 @@ The training loop receives batches `(images, texts, extras)` and passes the extr
 the index travels with each sample; the reference features are looked up once per batch, after collation
 (`CollateWithReferenceFeatures`): one read of each shard the batch touches, one decode and one finiteness check,
 instead of all three per sample."""
-import logging
 import random
 
 import numpy as np
@@ -16,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_co
 
 from ..data import input_kind, shard_urls
 from ..features import FeatureStore, shard_name
+from ..losses.collectives import run_log
 from . import BatchExtras
 from .run import Run
 
@@ -47,7 +47,7 @@ def wrap_data(run: Run, data: dict, args) -> dict:
     if hasattr(run.loss, 'set_total_steps'):
         lr_tau = run.loss.set_total_steps(steps)
         if lr_tau is not None:
-            logging.info(f"drrho-openclip: the run has {steps} optimiser steps, so --lr-tau auto is "
+            run_log.info(f"drrho-openclip: the run has {steps} optimiser steps, so --lr-tau auto is "
                          f"1/{steps} = {lr_tau:.3g}")
     return data
 

@@ -8,6 +8,7 @@ import torch
 
 from ..losses import (AUTO, DEFAULT_TILE_SIZE, LogitScaleTemperature, attach_to_model, compiles_for,
                       create_loss as build, gamma_at_epoch, get_loss_spec, inactive_options, rho_for_batch)
+from ..losses.collectives import run_log
 from .checkpoints import check_checkpoint_folder_shared, check_resumed_loss
 from .flags import loss_run_options, trains
 from .reference import OnlineReference
@@ -101,11 +102,11 @@ def configure_model(run: Run, model, args):
                 check_checkpoint_folder_shared(args, device)
     attached = attach_to_model(model, loss)
     if attached:
-        logging.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
+        run_log.info(f"drrho-openclip: attached {', '.join(attached)} to the model (optimised and checkpointed "
                      f"with it)")
     loss.to(device)  # the attached modules are the loss's own: they move with it
     if getattr(loss, 'compiles_passes', False) and compiles_for(device):  # else a silent pause
-        logging.info("drrho-openclip: the loss's passes over the pairwise matrix are compiled by TorchInductor during "
+        run_log.info("drrho-openclip: the loss's passes over the pairwise matrix are compiled by TorchInductor during "
                      "the first training step (once per run, some seconds; TORCH_COMPILE_DISABLE=1 runs them eagerly)")
     state = getattr(loss, 'state', None)
     last_epoch = args.epochs - 1
@@ -113,14 +114,14 @@ def configure_model(run: Run, model, args):
         # the papers' schedules are for their runs' length: a shorter run never reaches --gamma, which is not obvious
         reach = (f"--gamma-decay-epochs {last_epoch} reaches --gamma in its last epoch" if last_epoch else
                  "γ is 1 in a run's first epoch: u is each batch's own estimate")
-        logging.info(f"drrho-openclip: γ falls from 1 to --gamma {state.gamma_min:g} over --gamma-decay-epochs "
+        run_log.info(f"drrho-openclip: γ falls from 1 to --gamma {state.gamma_min:g} over --gamma-decay-epochs "
                      f"{state.gamma_decay_epochs}; this run's last epoch has γ = "
                      f"{gamma_at_epoch(last_epoch, state.gamma_min, state.gamma_decay_epochs):.3g} ({reach})")
     global_batch = run.provenance['global_batch']
     if options.get('rho') == AUTO and 'rho' not in inactive_options(run.loss_name, SimpleNamespace(**options)) \
             and rho_for_batch(global_batch, options['target_negatives']) == 0:
         # the README's k effective negatives per anchor cannot be had from B − 1
-        logging.info(f"drrho-openclip: --rho auto is 0 at this run's global batch {global_batch}: its "
+        run_log.info(f"drrho-openclip: --rho auto is 0 at this run's global batch {global_batch}: its "
                      f"{global_batch - 1} negatives per anchor are no more than --target-negatives "
                      f"{options['target_negatives']:g}, so τ rises until every negative weighs alike")
     if args.ref_model is not None:
@@ -137,7 +138,7 @@ def configure_model(run: Run, model, args):
         # a SigLIP-style model's bias: one number added to every logit cancels in each softmax of these losses, so
         # none of them has a use for it, and DDP must not wait for its gradient
         model.logit_bias.requires_grad_(False)
-        logging.info(f"drrho-openclip: the model's logit_bias is frozen (--loss {run.loss_name} has no bias term)")
+        run_log.info(f"drrho-openclip: the model's logit_bias is frozen (--loss {run.loss_name} has no bias term)")
     run.options, run.loss = options, loss
 
 
@@ -146,7 +147,7 @@ def create_loss(run: Run, args):
     if run.plain_clip:
         return None
     settings = ', '.join(f"{o}={v}" for o, v in sorted(run.options.items()))
-    logging.info(f"drrho-openclip: --loss {run.loss_name} ({type(run.loss).__name__}): {settings}")
+    run_log.info(f"drrho-openclip: --loss {run.loss_name} ({type(run.loss).__name__}): {settings}")
     for warning in run.warnings:
-        logging.warning(warning)
+        run_log.warning(warning)
     return run.loss

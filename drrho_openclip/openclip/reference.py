@@ -1,12 +1,12 @@
 """Reference models: any OpenCLIP model, from a pretrained tag or a local checkpoint file (precompute's features and
 training's online reference both load them here)."""
-import logging
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..losses import ATTACHED_PREFIX
+from ..losses.collectives import run_log
 
 CHECKPOINT_SUFFIXES = ('.pt', '.pth', '.bin', '.safetensors', '.ckpt')
 
@@ -66,7 +66,7 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
     is_file = bool(pretrained) and Path(pretrained).is_file()
     quick_gelu = needs_quick_gelu(name, pretrained)
     if quick_gelu:
-        logging.info(f"drrho-openclip: reference model {name} is built with QuickGELU, as its '{pretrained}' weights "
+        run_log.info(f"drrho-openclip: reference model {name} is built with QuickGELU, as its '{pretrained}' weights "
                      f"were trained (OpenCLIP's {built_model(name, pretrained)})")
     model, _, preprocess = open_clip.create_model_and_transforms(
         name, pretrained=None if is_file or not pretrained else pretrained, device=device, precision=precision,
@@ -88,14 +88,14 @@ def create_model(name: str, pretrained: str = None, device='cpu', precision='fp3
                              f"{len(missing)} of the model's weights and has {len(foreign)} others, e.g. "
                              f"{', '.join(missing[:2] + foreign[:2])})")
         if unexpected:
-            logging.info(f"drrho-openclip: '{pretrained}' also holds the networks a loss attached to the model it "
+            run_log.info(f"drrho-openclip: '{pretrained}' also holds the networks a loss attached to the model it "
                          f"trained (TempNet's); the reference model leaves them out")
     if pretrained:
-        logging.info(f"drrho-openclip: reference model {name}, weights from '{pretrained}'")
+        run_log.info(f"drrho-openclip: reference model {name}, weights from '{pretrained}'")
     elif _has_weights(name):
-        logging.info(f"drrho-openclip: reference model {name}, weights as OpenCLIP loads them for it")
+        run_log.info(f"drrho-openclip: reference model {name}, weights as OpenCLIP loads them for it")
     else:
-        logging.warning(f"drrho-openclip: reference model {name} has random weights (no pretrained tag or "
+        run_log.warning(f"drrho-openclip: reference model {name} has random weights (no pretrained tag or "
                         f"checkpoint file given)")
     return model.eval(), preprocess
 
@@ -144,7 +144,7 @@ class OnlineReference:
                                          for k in ('mean', 'std'))
             # x_ref = (x·σ_learner + µ_learner − µ_ref) / σ_ref, from the learner's normalised pixels
             self.renormalize = (learner_std / std, (learner_mean - mean) / std)
-            logging.info(f"drrho-openclip: the reference's images are re-normalised from the learner's mean "
+            run_log.info(f"drrho-openclip: the reference's images are re-normalised from the learner's mean "
                          f"{learner_cfg['mean']} and std {learner_cfg['std']} to its own {cfg['mean']}, {cfg['std']}")
 
     @torch.no_grad()
