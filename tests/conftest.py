@@ -1,9 +1,14 @@
+import atexit
 import contextlib
+import multiprocessing
 import os
+import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +80,6 @@ def openclip_command(args, nproc=1, start_method=None):
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1'}
 
 
-def start_openclip(args):
-    return subprocess.Popen(openclip_command(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-
-
 def _descendants(pid: int) -> list:
     """Every process started by `pid`, its children's children included (Linux: read from /proc)."""
     children = {}
@@ -106,11 +107,70 @@ def kill_process_tree(process: subprocess.Popen) -> list:
     return pids
 
 
+# One process per run, as `python -m open_clip_train.main` starts, but forked from a server that imported OpenCLIP's
+# trainer once: importing it (torch, torchvision, transformers, timm) is about 5 s of each run on a small machine.
+# The server imports and computes nothing else, so each fork starts as a fresh interpreter would, the plugin's hooks
+# installed by its .pth as they are at any start.
+_TRAINERS = multiprocessing.get_context('forkserver')
+_TRAINERS.set_forkserver_preload(['open_clip_train.main'])
+
+
+def _openclip_main(args, cwd, env, stdout, stderr):
+    """In a forked process: `python -m open_clip_train.main ARGS` in `cwd`, with `env` and its output in two files."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+    torch.set_num_threads(int(env['OMP_NUM_THREADS']))  # read by OpenMP as torch loaded, in the server
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = ['open_clip_train.main', *args]
+    del sys.modules['open_clip_train.main']  # run as __main__ alone, as -m runs it
+    try:
+        runpy.run_module('open_clip_train.main', run_name='__main__', alter_sys=True)
+    finally:  # the interpreter's exit, which a forked process skips: TensorBoard's writer and logging flush here
+        atexit._run_exitfuncs()
+
+
+class TrainerProcess:
+    """A run started by `start_openclip`, as much of subprocess.Popen as the tests use."""
+
+    def __init__(self, args, cwd, output: Path):
+        output.mkdir(parents=True, exist_ok=True)
+        self.stdout, self.stderr = output / 'stdout', output / 'stderr'
+        self.process = _TRAINERS.Process(target=_openclip_main,
+                                         args=([str(a) for a in args], cwd, dict(ENV), self.stdout, self.stderr))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self):
+        return self.process.exitcode
+
+    def kill(self):
+        self.process.kill()
+
+    def wait(self):
+        self.process.join()
+        return self.process.exitcode
+
+
+def start_openclip(args, cwd=None) -> TrainerProcess:
+    return TrainerProcess(args, cwd, Path(tempfile.mkdtemp(prefix='openclip_run_')))
+
+
 def run_openclip(args, nproc=1, cwd=None, check=True, start_method=None):
     """`python -m open_clip_train.main ARGS` (or torchrun with `nproc` gloo ranks, or one process whose loader
     workers are started by `start_method`); returns the CompletedProcess."""
     cmd = openclip_command(args, nproc, start_method)
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=ENV)
+    if nproc == 1 and start_method is None:
+        process = start_openclip(args, cwd)
+        returncode = process.wait()
+        result = subprocess.CompletedProcess(cmd, returncode, process.stdout.read_text(errors='replace'),
+                                             process.stderr.read_text(errors='replace'))
+        shutil.rmtree(process.stdout.parent)
+    else:
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=ENV)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-6000:]}")
