@@ -25,6 +25,9 @@ SCENARIOS = {
     'drrho-auto': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     'drrho-auto-tiled': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
     'fastclip': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
+    # the column half-step: each rank's columns over the gathered anchors and their gathered u; in blocks of 4 rows
+    'drrho-column': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, column_step=True), (0, 1, 1)),
+    'sogclr-column-tiled': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1, column_step=True, tile_size=4), (0, 1)),
     'sogclr': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1), (0, 1)),
     'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, learn_temperature=False,
                                   tile_size=5), (0, 1)),

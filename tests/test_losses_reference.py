@@ -129,6 +129,67 @@ def test_sogclr_estimator_over_steps(name, decay_epochs):
     assert torch.isnan(loss.state.log_u_image[13])
 
 
+def column_half_step(ell, tau, u, eps):
+    """Each candidate j's column after the anchors' rows: τ log (1/n) Σ_k exp(ℓ̂_kj/τ) / (ε + u_k) over the anchors k,
+    the positive k = j included, ε + u_k anchor k's row normaliser (a constant)."""
+    return tau * torch.log((torch.exp(ell / tau) / (eps + u.detach()[:, None])).sum(0) / len(ell))
+
+
+@pytest.mark.parametrize('tile_size', [0, 2])
+@pytest.mark.parametrize('name', ['drrho', 'sogclr'])
+def test_column_step_over_steps(name, tile_size):
+    """--column-step: the DRO's value and SogCLR gradient (as above) plus, per sample j, the image anchors' column of
+    its text and the text anchors' column of its image, each row normalised by that anchor's u of this step; over
+    steps with γ < 1, so the rows' u are not the batch's g. Dense, and in blocks of 2 rows (the tiled core's)."""
+    num_samples, n, tau, eps, gamma = 10, 5, 0.05, 1e-3, 0.6
+    fixed = dict(learn_temperature=False) if name == 'drrho' else {}
+    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma, gamma_decay_epochs=1,
+                       column_step=True, tile_size=tile_size, **fixed)
+    u_image = torch.full((num_samples,), float('nan'), **F64)
+    u_text = u_image.clone()
+    g = torch.Generator().manual_seed(3)
+    for epoch, index in [(0, [0, 1, 2, 3, 4]), (1, [2, 3, 4, 5, 6]), (1, [7, 8, 0, 1, 9]), (2, [0, 2, 4, 6, 8])]:
+        loss.set_epoch(epoch)
+        index = torch.tensor(index)
+        image, text, ref_image, ref_text = batch(g, n)
+        out = loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
+                   output_dict=True)['contrastive_loss']
+
+        use_ref = name == 'drrho'
+        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
+        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
+        step_gamma = cosine_gamma(epoch, gamma, 1)
+        u1 = moving_average(u_image, index, inner_mean(ell_image, tau).detach(), step_gamma)
+        u2 = moving_average(u_text, index, inner_mean(ell_text, tau).detach(), step_gamma)
+        rows = (tau * torch.log(eps + u1) + tau * torch.log(eps + u2)).mean()
+        rows_surrogate = (((pair_weights(ell_image, tau, u1, eps) * ell_image).sum(1)
+                           + (pair_weights(ell_text, tau, u2, eps) * ell_text).sum(1)) / (n - 1)).mean()
+        columns = (column_half_step(ell_image, tau, u1, eps) + column_half_step(ell_text, tau, u2, eps)).mean()
+
+        assert_close(out, rows + columns, **TABLE)
+        assert_close(grads(out, (image, text)), grads(rows_surrogate + columns, (image, text)), **TABLE)
+        assert loss.metrics()['column_step'] == pytest.approx(columns.item(), rel=1e-6)
+
+
+def test_column_step_refuses_what_it_has_no_form_for():
+    """Per-sample τ's would mix every anchor's τ in a column, and ADNCE's log-weights are not the DRO's own: those
+    losses have no such option, and the core refuses them."""
+    from drrho_openclip.losses.adnce import adnce_log_weight
+    from drrho_openclip.losses.core import DROContrastiveLoss
+    from drrho_openclip.losses.temperatures import FixedTemperature
+    for name, run in (('isogclr', dict(num_samples=8)), ('tempnet', dict(num_samples=8, embed_dim=6)), ('adnce', {})):
+        with pytest.raises(ValueError, match=f"loss '{name}' has no option column_step"):
+            create_loss(name, column_step=True, **run)
+    with pytest.raises(ValueError, match="no form with log-weights of the candidates"):
+        DROContrastiveLoss(FixedTemperature(0.07), None, negative_log_weight=adnce_log_weight(0.4, 1.0),
+                           positive_in_denominator=True, column_step=True)
+    per_sample = create_loss('isogclr', num_samples=8, gamma=1.0)
+    per_sample.column_step = True
+    image, text, _, _ = batch(torch.Generator().manual_seed(0), 4)
+    with pytest.raises(ValueError, match="the column step needs a global temperature"):
+        per_sample(image.float(), text.float(), index=torch.arange(4))
+
+
 @pytest.mark.parametrize('name', ['drrho', 'fastclip'])
 def test_learnable_temperature_gradient(name):
     """Appendix C.3: min over θ and τ of mean_i τ log(ε + g_i) (both directions) + 2τρ. Its τ-derivative under the

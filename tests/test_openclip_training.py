@@ -288,6 +288,7 @@ def loss_args(shapes, name):
     ref = ('--ref-features', shapes['ref'])
     return {
         'drrho': (*DRRHO, *ref),
+        'drrho-column': (*DRRHO, '--column-step', *ref),
         'sogclr': ('--loss', 'sogclr', '--gamma', '0.5'),
         'fastclip+kd': ('--loss', 'fastclip', '--gamma', '0.5', '--distill-weight', '0.25', *ref),
         'isogclr': ('--loss', 'isogclr', '--gamma', '0.5', '--lr-tau', '0.01'),
@@ -355,7 +356,7 @@ def test_killed_run_resumes_exactly(shapes, tmp_path, name):
     assert a['loss_state'][RUN_KEY] == b['loss_state'][RUN_KEY]
 
 
-@pytest.mark.parametrize('name', ['drrho', 'sogclr', 'fastclip+kd', 'isogclr', 'tempnet'])
+@pytest.mark.parametrize('name', ['drrho', 'drrho-column', 'sogclr', 'fastclip+kd', 'isogclr', 'tempnet'])
 def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, name):
     loss = loss_args(shapes, name)
     run_openclip(train_args(shapes, tmp_path, 'one', *loss, *SGD, batch_size=8, epochs=2))
@@ -367,7 +368,7 @@ def test_two_ranks_equal_one_rank_with_same_global_batch(shapes, tmp_path, name)
     # both processes log (OpenCLIP's line for each), the plugin's lines about the whole run come once, not per rank
     log = two.stdout + two.stderr
     assert all(f"Process (global: {rank}, local {rank}), total 2" in log for rank in (0, 1))
-    assert log.count(f"drrho-openclip: --loss {name.split('+')[0]} (") == 1
+    assert log.count(f"drrho-openclip: --loss {loss[loss.index('--loss') + 1]} (") == 1
 
 
 def test_resuming_a_finished_run_says_it_trains_nothing(shapes, tmp_path):
@@ -518,7 +519,8 @@ def test_tiled_core_trains_like_the_untiled_one(shapes, tmp_path):
     assert_equivalent_runs(checkpoint(tmp_path, 'untiled', 2), checkpoint(tmp_path, 'tiled', 2))
 
 
-@pytest.mark.parametrize('name, extra', [*((name, ()) for name in list_losses()), ('drrho', ('--tile-size', '3'))])
+@pytest.mark.parametrize('name, extra', [*((name, ()) for name in list_losses()), ('drrho', ('--tile-size', '3')),
+                                          ('drrho', ('--column-step', '--tile-size', '3'))])
 def test_every_loss_trains_under_bf16_autocast(shapes, tmp_path, name, extra):
     # --precision amp_bf16, the launch scripts' default: the model hands the loss bf16 features under autocast;
     # the per-sample state, τ and weights must come out finite after two epochs (epoch 1 reads the state back)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .base import WINDOW_NOT_OPENED, ReferenceFeatures, check_eval_call, keep_in_graph
 from .collectives import gather_batch
+from .columns import column_step
 from .dense import dense_aggregate
 from .distill import ReferenceLogitScale, check_distill_weight, distillation_loss
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
@@ -66,6 +67,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     loss's own Adam learns steps on the DRO objective alone (App. C.3); KD's gradient reaches a τ learned as the
     model's logit_scale.
 
+    With `column_step`, L also holds one column half-step of each direction's shifted logits, each anchor's u as its
+    row's normaliser (`columns.py`; a global τ only; computed `distill_rows` samples at a time where that is set).
+
     A temperature source may learn outside the model's optimiser (per-sample τ): it then has a method
     `step(objective)`, called once per optimiser step with the per-anchor objective (whose τ-gradient it uses).
 
@@ -96,6 +100,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             distill_weight: float = 0.0,
             teacher_logit_scale='auto',
             distill_rows: int = 0,
+            column_step: bool = False,
     ):
         super().__init__()
         if positive_in_denominator != (epsilon is None):
@@ -107,6 +112,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             if target_negatives is None:
                 raise ValueError("ρ from the batch (rho=None) needs target_negatives")
             check_target_negatives(target_negatives)
+        if column_step and negative_log_weight is not None:
+            raise ValueError("the column step normalises the DRO's own weights; it has no form with log-weights of "
+                             "the candidates (ADNCE's)")
         if not 0 <= reference_weight < math.inf:
             raise ValueError(f"reference_weight α must be ≥ 0, got {reference_weight}")
         self.temperature = temperature
@@ -124,6 +132,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
         self.distill_weight = check_distill_weight(distill_weight)
         self.teacher_logit_scale = None
         self.distill_rows = distill_rows  # anchors per chunk of the KD term (0: all at once); the tiled core's T
+        self.column_step = column_step
         if distill_weight > 0:
             self.teacher_logit_scale = ReferenceLogitScale(teacher_logit_scale, world_size)
         self._window = None  # (accumulation window's index, its log u) while --accum-freq replays a window
@@ -261,6 +270,10 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                         + rho * (tau_image + tau_text))
             per_anchor = per_anchor_objective(log_u_image, log_u_text)
             loss = per_anchor.mean()
+            if self.column_step:  # after the τ step's objective: τ learns from the DRO alone (`columns.py`)
+                columns = column_step(image, text, all_image, all_text, shift, tau_image, tau_text, log_u_image,
+                                      log_u_text, log_eps, self.world_size, rows=self.distill_rows).mean()
+                loss = loss + columns
             if self.training and not accum_step and hasattr(self.temperature, 'step'):
                 # By default τ steps on the estimate with u, as the paper's does. A sample's u is from its last
                 # visit; while the model improves, u > g on every revisit, and log(ε + u) − (g/(ε + u))·E_p[ℓ/τ]
@@ -278,6 +291,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                                   log_u_image=log_u_image, log_u_text=log_u_text, log_eps=log_eps, rho=rho,
                                   tau_image=tau_image.detach(), tau_text=tau_text.detach(),
                                   pairs=(*detached, offset, shift))
+                if self.column_step:
+                    self._last['column_step'] = columns.detach()
             if self.distill_weight > 0:
                 if tau_image.dim():
                     raise ValueError("distillation needs a global temperature (its student logit scale is 1/τ)")
@@ -347,6 +362,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             out['rho'] = last['rho']
         if self.reference_shift:
             out['reference_margin'] = self.reference_margin().item()
+        if 'column_step' in last:
+            out['column_step'] = last['column_step'].item()
         if 'distill' in last:
             out['distill'] = last['distill'].item()
             out['teacher_logit_scale'] = last['teacher_logit_scale'].item()

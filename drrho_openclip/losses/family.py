@@ -49,6 +49,10 @@ DRO_OPTIONS = dict(
 ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'target_negatives', 'epsilon', 'gamma', 'gamma_decay_epochs',
                                                   'tile_size', 'state_layout')}
 
+# The column half-step after each direction's DRO (columns.py; new here, not in the method's paper): for the losses
+# with a global τ and no weights of their own on the candidates
+COLUMN_OPTIONS = dict(column_step=False)
+
 # MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
 DISTILL_OPTIONS = dict(
     distill_weight=0.0,           # λ: (1−λ)·contrastive + λ·KD; the paper's λ is 0 with the weak ViT-B/32 reference
@@ -212,7 +216,8 @@ def _dro(o, reference_shift, temperature=None, sharding=None, **core_options):
         temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives, state=_state(o, sharding),
         reference_shift=reference_shift, reference_weight=getattr(o, 'reference_weight', 1.0), rank=o.rank,
         world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
-        teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), **core_options)
+        teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), column_step=getattr(o, 'column_step', False),
+        **core_options)
 
 
 @register_loss('clip', reference='optional', defaults=DISTILL_OPTIONS, run_options=CLIP,
@@ -237,7 +242,7 @@ def clip(o):
 # by 4 points on average (docs/defaults.md, "Reference weight"; two rules fitting α to each batch from the learner's
 # agreement with the reference were measured there too, and lost to this constant)
 DRRHO_OPTIONS = dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, reference_weight=0.25,
-                     **DISTILL_OPTIONS)
+                     **DISTILL_OPTIONS, **COLUMN_OPTIONS)
 # The paper's main setting, one --loss away: the full RHO shift at a fixed τ = 0.01 (seed 001: most of its §6 runs, at
 # global batches of 5120 and 3.2e8-1.3e9 samples seen). Our runs saw at most 5e5 samples; the paper's evidence at its
 # scale is for this setting (docs/defaults.md, "When to use the paper's full shift")
@@ -273,7 +278,7 @@ def drrho(o):
     'sogclr', run_options=STATEFUL,
     help="SogCLR / FastCLIP-v1: global contrastive loss, fixed τ, per-sample u with γ",
     # the paper's fixed τ = 0.07, OpenCLIP's initial one: without a reference there are no margins to choose τ from
-    defaults=DRO_OPTIONS, inactive=_global_temperature_inactive)
+    defaults=dict(DRO_OPTIONS, **COLUMN_OPTIONS), inactive=_global_temperature_inactive)
 def sogclr(o):
     return _dro(o, reference_shift=False)
 
@@ -285,7 +290,7 @@ def sogclr(o):
     # the paper's CC12M / ViT-B/32 setting, but ρ from the batch (its 8.5 is rho=8.5) and τ learned by the loss's own
     # Adam at lr_tau (as the official lr_tau parameter group learns logit_scale)
     defaults=dict(DRO_OPTIONS, learn_temperature=True, temperature=0.07, gamma=0.2, gamma_decay_epochs=16,
-                  **DISTILL_OPTIONS),
+                  **DISTILL_OPTIONS, **COLUMN_OPTIONS),
     inactive=_global_temperature_and_distill_inactive)
 def fastclip(o):
     if not o.learn_temperature:

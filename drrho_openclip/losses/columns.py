@@ -1,0 +1,73 @@
+"""One column half-step of the DRO core's shifted logits, each anchor's SogCLR estimate as its row's normaliser.
+
+The DRO core normalises each anchor's row of exp(ℓ̂/τ) (its KL-DRO over the candidates). The balanced CLIP loss
+(seed 004) follows CLIP's row normalisation by one over the columns, and with the reference shift it beat every
+`drrho` setting measured (docs/defaults.md, "The shift inside the balanced loss"). This term gives the DRO the same
+second half-step. Per direction, candidate j's column over the global batch's anchors k:
+
+    C_j = τ log (1/B) Σ_k exp(ℓ̂_kj / τ) / (ε + u_k)
+
+ℓ̂_kj being anchor k's shifted pairwise loss against j (the positive k = j included, as in a column of the
+balanced loss) and ε + u_k anchor k's row normaliser: its SogCLR estimate, a constant as in SogCLR's weights, where
+the balanced loss differentiates through the batch's own row sums. So pair (k, j) gets, beside its row weight, its
+column's softmax of exp(ℓ̂_kj/τ)/(ε + u_k). τ is a constant here: a learned τ steps on the DRO objective alone.
+
+Layout: candidate j's column is this rank's sample j against every anchor of the global batch, so each rank
+computes the columns of its own samples, as rows of a [b, B] matrix whose log-sum-exp runs along the global batch
+(like the core's rows), from the gathered features (with gradient) and the gathered estimates (without). With a row
+block size (the tiled core's tile size) the blocks are recomputed in backward, so memory is O(rows × B).
+"""
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .collectives import gather_batch
+from .precision import at_least_float32, product, similarities
+
+
+def _log_column_sums(anchors, candidates, ref_anchors, ref_candidates, positives, inv_tau, log_eps_u):
+    """Row j: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)), d = s − α s^ref between this rank's samples (rows)
+    and the global batch's (columns), d_kk = `positives`."""
+    d = similarities(anchors, candidates)
+    if ref_anchors is not None:
+        d = d - product(ref_anchors, ref_candidates.T)
+    return torch.logsumexp((d - positives) * inv_tau - log_eps_u, dim=1)
+
+
+def _in_blocks(anchors, candidates, ref_anchors, ref_candidates, positives, inv_tau, log_eps_u, rows):
+    """`_log_column_sums` of all rows, `rows` at a time, each block recomputed in backward (0: all at once)."""
+    if not rows or rows >= anchors.shape[0]:
+        return _log_column_sums(anchors, candidates, ref_anchors, ref_candidates, positives, inv_tau, log_eps_u)
+    blocks = anchors.split(rows)
+    ref_blocks = ref_anchors.split(rows) if ref_anchors is not None else [None] * len(blocks)
+    return torch.cat([checkpoint(_log_column_sums, block, candidates, ref_block, ref_candidates, positives, inv_tau,
+                                 log_eps_u, use_reentrant=False) for block, ref_block in zip(blocks, ref_blocks)])
+
+
+def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, log_u_image, log_u_text, log_eps,
+                world_size, rows=0):
+    """[b]: for each of this rank's samples, the image anchors' column of its text plus the text anchors' column of
+    its image (C_j above, each with its direction's τ and u). `shift`: the α-scaled reference features (ref_image,
+    ref_text, all_ref_image, all_ref_text) or None; `log_u_*`: this rank's anchors' log u; `log_eps`: log ε."""
+    if tau_image.dim() or tau_text.dim():
+        raise ValueError("the column step needs a global temperature (each column mixes every anchor's τ)")
+    device = image.device
+    positives = (at_least_float32(all_image) * at_least_float32(all_text)).sum(1)
+    ref_image, ref_text, all_ref_image, all_ref_text = shift if shift is not None else (None,) * 4
+    if shift is not None:
+        positives = positives - (at_least_float32(all_ref_image) * at_least_float32(all_ref_text)).sum(1)
+
+    def log_eps_u(log_u):
+        log_u = gather_batch(log_u, world_size, with_grad=False, device=device)
+        return torch.logaddexp(log_u, torch.full_like(log_u, log_eps))
+
+    tau_image, tau_text = tau_image.detach(), tau_text.detach()
+    # the image anchors k against this rank's texts j: rows j, d_jk = text_j·image_k − α ref_text_j·ref_image_k
+    over_images = _in_blocks(text, all_image, ref_text, all_ref_image, positives, 1 / tau_image,
+                             log_eps_u(log_u_image), rows)
+    # the text anchors k against this rank's images i: d_ik = image_i·text_k − α ref_image_i·ref_text_k
+    over_texts = _in_blocks(image, all_text, ref_image, all_ref_text, positives, 1 / tau_text, log_eps_u(log_u_text),
+                            rows)
+    log_batch = math.log(all_image.shape[0])
+    return tau_image * (over_images - log_batch) + tau_text * (over_texts - log_batch)
