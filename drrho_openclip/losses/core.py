@@ -270,7 +270,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                         + rho * (tau_image + tau_text))
             per_anchor = per_anchor_objective(log_u_image, log_u_text)
             loss = per_anchor.mean()
-            if self.column_step:  # after the τ step's objective: τ learns from the DRO alone (`columns.py`)
+            if self.column_step:  # not in per_anchor: a learned τ steps on the DRO objective alone (`columns.py`)
                 columns = column_step(image, text, all_image, all_text, shift, tau_image, tau_text, log_u_image,
                                       log_u_text, log_eps, self.world_size, rows=self.distill_rows).mean()
                 loss = loss + columns
