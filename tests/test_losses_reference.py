@@ -87,6 +87,28 @@ def assert_close(got, want, **tol):
 # DRRho-CLIP / SogCLR (seed 001, Eq. 10–11, Algorithm 1) and the learnable τ of Appendix C.3
 
 
+def sogclr_step(loss, name, g, n, epoch, index, tables, tau, eps, gamma, decay_epochs):
+    """One training call of `loss` (drrho or sogclr) on a drawn batch, and the float64 SogCLR reference of its DRO:
+    `tables` (u of the images, of the texts; NaN where unvisited) updated as the loss's should be. Returns the
+    loss's value, the features, ℓ̂ of both directions, their rows' u, the objective's value and the surrogate whose
+    gradient is the estimator's."""
+    loss.set_epoch(epoch)
+    index = torch.tensor(index)
+    image, text, ref_image, ref_text = batch(g, n)
+    out = loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
+               output_dict=True)['contrastive_loss']
+    use_ref = name == 'drrho'
+    ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
+    ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
+    step_gamma = cosine_gamma(epoch, gamma, decay_epochs)
+    u1 = moving_average(tables[0], index, inner_mean(ell_image, tau).detach(), step_gamma)
+    u2 = moving_average(tables[1], index, inner_mean(ell_text, tau).detach(), step_gamma)
+    value = (tau * torch.log(eps + u1) + tau * torch.log(eps + u2)).mean()
+    surrogate = (((pair_weights(ell_image, tau, u1, eps) * ell_image).sum(1)
+                  + (pair_weights(ell_text, tau, u2, eps) * ell_text).sum(1)) / (n - 1)).mean()
+    return out, (image, text), (ell_image, ell_text), (u1, u2), value, surrogate
+
+
 @pytest.mark.parametrize('decay_epochs', [1, 3])
 @pytest.mark.parametrize('name', ['drrho', 'sogclr'])
 def test_sogclr_estimator_over_steps(name, decay_epochs):
@@ -106,24 +128,10 @@ def test_sogclr_estimator_over_steps(name, decay_epochs):
     schedule = [(0, [0, 1, 2, 3, 4]), (0, [5, 6, 7, 8, 9]), (1, [2, 3, 4, 10, 11]), (1, [7, 1, 0, 6, 5]),
                 (2, [8, 9, 10, 3, 12]), (2, [0, 2, 4, 6, 11]), (3, [1, 3, 5, 7, 9]), (4, [12, 10, 8, 2, 0])]
     for epoch, index in schedule:
-        loss.set_epoch(epoch)
-        index = torch.tensor(index)
-        image, text, ref_image, ref_text = batch(g, n)
-        out = loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
-                   output_dict=True)['contrastive_loss']
-
-        use_ref = name == 'drrho'
-        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
-        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
-        step_gamma = cosine_gamma(epoch, gamma, decay_epochs)
-        u1 = moving_average(u_image, index, inner_mean(ell_image, tau).detach(), step_gamma)
-        u2 = moving_average(u_text, index, inner_mean(ell_text, tau).detach(), step_gamma)
-        value = (tau * torch.log(eps + u1) + tau * torch.log(eps + u2)).mean()
-        surrogate = (((pair_weights(ell_image, tau, u1, eps) * ell_image).sum(1)
-                      + (pair_weights(ell_text, tau, u2, eps) * ell_text).sum(1)) / (n - 1)).mean()
-
+        out, features, _, _, value, surrogate = sogclr_step(loss, name, g, n, epoch, index, (u_image, u_text), tau,
+                                                            eps, gamma, decay_epochs)
         assert_close(out, value, **TABLE)
-        assert_close(grads(out, (image, text)), grads(surrogate, (image, text)), **TABLE)
+        assert_close(grads(out, features), grads(surrogate, features), **TABLE)
         assert_close(loss.state.log_u_image.double(), torch.log(u_image), equal_nan=True, **TABLE)
         assert_close(loss.state.log_u_text.double(), torch.log(u_text), equal_nan=True, **TABLE)
     assert torch.isnan(loss.state.log_u_image[13])
@@ -149,25 +157,12 @@ def test_column_step_over_steps(name, tile_size):
     u_text = u_image.clone()
     g = torch.Generator().manual_seed(3)
     for epoch, index in [(0, [0, 1, 2, 3, 4]), (1, [2, 3, 4, 5, 6]), (1, [7, 8, 0, 1, 9]), (2, [0, 2, 4, 6, 8])]:
-        loss.set_epoch(epoch)
-        index = torch.tensor(index)
-        image, text, ref_image, ref_text = batch(g, n)
-        out = loss(image, text, index=index, ref_image_features=ref_image, ref_text_features=ref_text,
-                   output_dict=True)['contrastive_loss']
-
-        use_ref = name == 'drrho'
-        ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
-        ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
-        step_gamma = cosine_gamma(epoch, gamma, 1)
-        u1 = moving_average(u_image, index, inner_mean(ell_image, tau).detach(), step_gamma)
-        u2 = moving_average(u_text, index, inner_mean(ell_text, tau).detach(), step_gamma)
-        rows = (tau * torch.log(eps + u1) + tau * torch.log(eps + u2)).mean()
-        rows_surrogate = (((pair_weights(ell_image, tau, u1, eps) * ell_image).sum(1)
-                           + (pair_weights(ell_text, tau, u2, eps) * ell_text).sum(1)) / (n - 1)).mean()
+        out, features, (ell_image, ell_text), (u1, u2), rows, rows_surrogate = sogclr_step(
+            loss, name, g, n, epoch, index, (u_image, u_text), tau, eps, gamma, 1)
         columns = (column_half_step(ell_image, tau, u1, eps) + column_half_step(ell_text, tau, u2, eps)).mean()
 
         assert_close(out, rows + columns, **TABLE)
-        assert_close(grads(out, (image, text)), grads(rows_surrogate + columns, (image, text)), **TABLE)
+        assert_close(grads(out, features), grads(rows_surrogate + columns, features), **TABLE)
         assert loss.metrics()['column_step'] == pytest.approx(columns.item(), rel=1e-6)
 
 
