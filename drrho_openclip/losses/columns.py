@@ -23,26 +23,27 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .collectives import gather_batch
-from .precision import at_least_float32, product, similarities
+from .precision import at_least_float32, similarities
 
 
-def _log_column_sums(anchors, candidates, ref_anchors, ref_candidates, positives, inv_tau, log_eps_u):
-    """Row j: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)), d = s − α s^ref between this rank's samples (rows)
-    and the global batch's (columns), d_kk = `positives`."""
-    d = similarities(anchors, candidates)
-    if ref_anchors is not None:
-        d = d - product(ref_anchors, ref_candidates.T)
-    return torch.logsumexp((d - positives) * inv_tau - log_eps_u, dim=1)
+def _joined(features, ref_features, sign):
+    """[x, sign·x^ref], so that d = s − α s^ref is one product of rows joined with +1 and columns with −1 (as
+    dense.py makes it); x alone without a shift."""
+    return features if ref_features is None else torch.cat([features, sign * ref_features], 1)
 
 
-def _in_blocks(anchors, candidates, ref_anchors, ref_candidates, positives, inv_tau, log_eps_u, rows):
-    """`_log_column_sums` of all rows, `rows` at a time, each block recomputed in backward (0: all at once)."""
-    if not rows or rows >= anchors.shape[0]:
-        return _log_column_sums(anchors, candidates, ref_anchors, ref_candidates, positives, inv_tau, log_eps_u)
-    blocks = anchors.split(rows)
-    ref_blocks = ref_anchors.split(rows) if ref_anchors is not None else [None] * len(blocks)
-    return torch.cat([checkpoint(_log_column_sums, block, candidates, ref_block, ref_candidates, positives, inv_tau,
-                                 log_eps_u, use_reentrant=False) for block, ref_block in zip(blocks, ref_blocks)])
+def _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u):
+    """Row j: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)), d between this rank's samples (`rows`) and the
+    global batch's (`candidates`), both `_joined`; d_kk = `positives`."""
+    return torch.logsumexp((similarities(rows, candidates) - positives) * inv_tau - log_eps_u, dim=1)
+
+
+def _in_blocks(rows, candidates, positives, inv_tau, log_eps_u, block_rows):
+    """`_log_column_sums` of all rows, `block_rows` at a time, each block recomputed in backward (0: all at once)."""
+    if not block_rows or block_rows >= rows.shape[0]:
+        return _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u)
+    return torch.cat([checkpoint(_log_column_sums, block, candidates, positives, inv_tau, log_eps_u,
+                                 use_reentrant=False) for block in rows.split(block_rows)])
 
 
 def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, log_u_image, log_u_text, log_eps,
@@ -64,10 +65,10 @@ def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, lo
 
     tau_image, tau_text = tau_image.detach(), tau_text.detach()
     # the image anchors k against this rank's texts j: rows j, d_jk = text_j·image_k − α ref_text_j·ref_image_k
-    over_images = _in_blocks(text, all_image, ref_text, all_ref_image, positives, 1 / tau_image,
-                             log_eps_u(log_u_image), rows)
+    over_images = _in_blocks(_joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1), positives,
+                             1 / tau_image, log_eps_u(log_u_image), rows)
     # the text anchors k against this rank's images i: d_ik = image_i·text_k − α ref_image_i·ref_text_k
-    over_texts = _in_blocks(image, all_text, ref_image, all_ref_text, positives, 1 / tau_text, log_eps_u(log_u_text),
-                            rows)
+    over_texts = _in_blocks(_joined(image, ref_image, 1), _joined(all_text, all_ref_text, -1), positives,
+                            1 / tau_text, log_eps_u(log_u_text), rows)
     log_batch = math.log(all_image.shape[0])
     return tau_image * (over_images - log_batch) + tau_text * (over_texts - log_batch)
