@@ -155,8 +155,9 @@ class TrainerProcess:
         return self.process.exitcode
 
 
-def start_openclip(args, cwd=None) -> TrainerProcess:
-    return TrainerProcess(args, cwd, Path(tempfile.mkdtemp(prefix='openclip_run_')))
+def start_openclip(args, output: Path, cwd=None) -> TrainerProcess:
+    """Starts `python -m open_clip_train.main ARGS` with its stdout and stderr in files under `output`."""
+    return TrainerProcess(args, cwd, output)
 
 
 def run_openclip(args, nproc=1, cwd=None, check=True, start_method=None):
@@ -164,7 +165,7 @@ def run_openclip(args, nproc=1, cwd=None, check=True, start_method=None):
     workers are started by `start_method`); returns the CompletedProcess."""
     cmd = openclip_command(args, nproc, start_method)
     if nproc == 1 and start_method is None:
-        process = start_openclip(args, cwd)
+        process = start_openclip(args, Path(tempfile.mkdtemp(prefix='openclip_run_')), cwd)
         returncode = process.wait()
         result = subprocess.CompletedProcess(cmd, returncode, process.stdout.read_text(errors='replace'),
                                              process.stderr.read_text(errors='replace'))

@@ -336,7 +336,7 @@ def test_killed_run_resumes_exactly(shapes, tmp_path, name):
                                           epochs=2)
     run_openclip(args('full'))
     # the same run, killed once epoch 1 is saved, then continued with --resume latest
-    process = start_openclip(args('split'))
+    process = start_openclip(args('split'), tmp_path / 'split_output')
     first, second = (tmp_path / 'split' / 'checkpoints' / f'epoch_{e}.pt' for e in (1, 2))
     while not first.exists() and process.poll() is None:  # however long the machine takes
         time.sleep(0.05)
