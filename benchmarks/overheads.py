@@ -40,6 +40,7 @@ whole scheduler time slices, which would swamp the differences measured here.
    CUDA: torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus the memory allocated before.
 """
 import argparse
+import ast
 import concurrent.futures
 import json
 import math
@@ -103,6 +104,14 @@ class PeakMemory:
 
 # ---- losses ------------------------------------------------------------------------------------------------------
 
+def loss_and_options(spec: str):
+    """'NAME' or 'NAME:OPTION=VALUE,...' (e.g. drrho:column_step=True, to set one option against the defaults):
+    the registered name and create_loss's keyword arguments, values as Python literals."""
+    name, _, listed = spec.partition(':')
+    options = dict(item.split('=', 1) for item in listed.split(',') if item)
+    return name, {key: ast.literal_eval(value) for key, value in options.items()}
+
+
 class LossCase:
     """One loss with its inputs at global batch B: `run()` is one forward + backward."""
 
@@ -121,11 +130,12 @@ class LossCase:
             from open_clip.loss import ClipLoss
             self.loss = ClipLoss(cache_labels=True)  # as open_clip.create_loss builds it for training
         else:
+            name, chosen = loss_and_options(name)
             spec = get_loss_spec(name)
             options = dict(num_samples=batch) if spec.stateful else {}
             if 'embed_dim' in spec.run_options:
                 options['embed_dim'] = dim
-            self.loss = create_loss(name, **options).to(device)
+            self.loss = create_loss(name, **options, **chosen).to(device)
             if hasattr(self.loss, 'set_total_steps'):
                 self.loss.set_total_steps(1000)  # a run's length: only a learned τ's step size depends on it
             if spec.stateful:
@@ -337,7 +347,8 @@ def main(argv=None):
     p.add_argument('--smoke', action='store_true', help='tiny batches, seconds; for tests')
     p.add_argument('--sizes', type=int, nargs='+', help='global batch sizes of the loss timings')
     p.add_argument('--losses', nargs='+', metavar='LOSS',
-                   help='registered losses to time and measure against ClipLoss (default: all of them)')
+                   help='registered losses to time and measure against ClipLoss (default: all of them); '
+                        'NAME:OPTION=VALUE,... sets options, e.g. drrho:column_step=True')
     p.add_argument('--dim', type=int, default=512)
     p.add_argument('--threads', type=int, default=1,
                    help='torch threads, here and in every measured process (default: %(default)s: on a shared, '
@@ -382,13 +393,13 @@ def main(argv=None):
     train_samples = train_batch * (WARMUP_STEPS + (2 if args.smoke else 8))
     train_repeats = min(1, args.train_repeats) if args.smoke else args.train_repeats
     for flag, chosen in (('--losses', args.losses), ('--memory-losses', args.memory_losses)):
-        unknown = sorted(set(chosen or ()) - set(list_losses()))
+        unknown = sorted({c for c in chosen or () if loss_and_options(c)[0] not in list_losses()})
         if unknown:
             p.error(f"{flag}: {', '.join(unknown)} not registered (registered: {', '.join(list_losses())})")
-    names = [BASELINE, *(n for n in list_losses() if args.losses is None or n in args.losses)]
+    names = [BASELINE, *(args.losses or list_losses())]
     # --smoke checks the memory path on the drrho/ClipLoss pair at one size only: each measurement is a process
     memory_losses = args.memory_losses or (['drrho'] if args.smoke else names[1:])
-    memory_names = [BASELINE, *(n for n in list_losses() if n in memory_losses)]
+    memory_names = [BASELINE, *memory_losses]
     memory_sizes = args.memory_sizes if args.memory_sizes is not None else sizes[:1] if args.smoke else sizes
     # the report puts each memory next to its loss's time, as a ratio to ClipLoss's at that batch
     untimed = sorted(set(memory_names) - set(names)) + [f'B={b}' for b in memory_sizes if b not in sizes]

@@ -393,19 +393,21 @@ def test_overheads_smoke_writes_its_json(tmp_path):
     assert report['summary']['training']['drrho']['peak_mib'] > 0
     assert out.with_suffix('.md').read_text().startswith('# Overheads')
     # --train-repeats 0: the losses alone, no training step; --losses: those named, against ClipLoss;
-    # --memory-losses/--memory-sizes: the memory of a chosen few of them at chosen batches, the others timed only
+    # --memory-losses/--memory-sizes: the memory of a chosen few of them at chosen batches, the others timed only;
+    # NAME:OPTION=VALUE sets an option of a loss against its defaults
     sizes = [str(b) for b in report['config']['sizes'][:2]]
+    column = 'drrho:column_step=True'
     result = subprocess.run([sys.executable, str(BENCHMARKS / 'overheads.py'), '--smoke', '--train-repeats', '0',
-                             '--sizes', *sizes, '--losses', 'drrho', 'adnce', '--memory-losses', 'adnce',
-                             '--memory-sizes', sizes[1], '--output', str(out)], capture_output=True, text=True)
+                             '--sizes', *sizes, '--losses', 'drrho', 'adnce', column, '--memory-losses', 'adnce',
+                             column, '--memory-sizes', sizes[1], '--output', str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.with_suffix('.json').read_text())
     assert report['summary']['training'] == {}
     for per_loss in report['summary']['loss'].values():
-        assert set(per_loss) == {'ClipLoss', 'drrho', 'adnce'}
+        assert set(per_loss) == {'ClipLoss', 'drrho', 'adnce', column}
     assert 'Training step' not in out.with_suffix('.md').read_text()
     assert report['raw']['loss_peak_bytes'].keys() == {sizes[1]}
-    assert report['raw']['loss_peak_bytes'][sizes[1]].keys() == {'ClipLoss', 'adnce'}
+    assert report['raw']['loss_peak_bytes'][sizes[1]].keys() == {'ClipLoss', 'adnce', column}
     assert 'memory_ratio' in report['summary']['loss'][sizes[1]]['adnce']
     assert 'memory_ratio' not in report['summary']['loss'][sizes[1]]['drrho']
     assert all('memory_ratio' not in e for e in report['summary']['loss'][sizes[0]].values())
@@ -413,6 +415,7 @@ def test_overheads_smoke_writes_its_json(tmp_path):
 
 @pytest.mark.parametrize('flags, message', [
     (['--losses', 'drho'], '--losses: drho not registered'),
+    (['--losses', 'drho:column_step=True'], '--losses: drho:column_step=True not registered'),
     (['--losses', 'drrho', '--memory-losses', 'adnce'], 'adnce not timed'),
     (['--sizes', '8', '--memory-sizes', '16'], 'B=16 not timed')])
 def test_overheads_refuses_losses_and_sizes_it_cannot_report(flags, message, capsys):

@@ -21,6 +21,7 @@ META = torch.device('meta')  # a device other than the CPU that needs no acceler
 MOVABLE = {
     'drrho': dict(gamma=0.5),
     'drrho-tiled-sharded': dict(gamma=0.5, tile_size=3, state_layout='sharded'),
+    'drrho-column': dict(gamma=0.5, column_step=True),
     'isogclr': dict(),
     'tempnet': dict(embed_dim=8),
     'adnce': dict(adnce_sigma=0.5),
@@ -243,13 +244,14 @@ def test_float32_features_multiply_in_float32(aggregation):
     assert products.seen and all(set(dtypes) == {torch.float32} for dtypes in products.seen), products.seen
 
 
+@pytest.mark.parametrize('column_step', [False, True])
 @pytest.mark.parametrize('tile_size', [0, 4])
-def test_bf16_loss_is_close_to_the_float32_loss(tile_size):
+def test_bf16_loss_is_close_to_the_float32_loss(tile_size, column_step):
     """The whole DRO loss on bf16 features (reference shift, u state, KD) against the same values in float32."""
     results = []
     for dtype in (torch.bfloat16, torch.float32):
         loss = create_loss('drrho', num_samples=16, temperature=0.2, gamma=0.5, tile_size=tile_size,
-                           distill_weight=0.25, reference_logit_scale=5.0)
+                           distill_weight=0.25, reference_logit_scale=5.0, column_step=column_step)
         loss.set_total_steps(2)
         g = torch.Generator().manual_seed(4)
         image, text, ref_image, ref_text = (grid(g, 10).to(torch.bfloat16).to(dtype) for _ in range(4))
@@ -292,6 +294,7 @@ def test_balanced_multiplies_16_bit_features_in_16_bit_once(steps):
 @pytest.mark.parametrize('name, options', [
     ('drrho', dict(num_samples=16, temperature=0.2, gamma=0.5, distill_weight=0.25, reference_logit_scale=5.0)),
     ('drrho', dict(num_samples=16, temperature=0.2, gamma=0.5, tile_size=4)),
+    ('drrho', dict(num_samples=16, temperature=0.2, gamma=0.5, column_step=True)),
     ('balanced', dict(reference_shift=True))])
 def test_float32_features_under_16_bit_autocast_multiply_in_16_bit(name, options):
     """On CUDA, autocast runs F.normalize in float32, so OpenCLIP's --precision amp_bf16 hands the loss float32
@@ -354,7 +357,8 @@ def test_jest_scores_its_selection_in_float32_under_autocast():
 
 @pytest.mark.parametrize('tile_size', [0, 4])
 @pytest.mark.parametrize('name, options', [('drrho', dict(gamma=0.5)), ('isogclr', dict()),
-                                           ('drrho', dict(gamma=0.5, learn_temperature=True))])
+                                           ('drrho', dict(gamma=0.5, learn_temperature=True)),
+                                           ('drrho', dict(gamma=0.5, column_step=True))])
 def test_backward_inside_autocast_equals_backward_outside(name, options, tile_size):
     results = []
     for inside in (False, True):

@@ -14,16 +14,19 @@ column's softmax of exp(ℓ̂_kj/τ)/(ε + u_k). τ is a constant here: a learne
 
 Layout: candidate j's column is this rank's sample j against every anchor of the global batch, so each rank
 computes the columns of its own samples, as rows of a [b, B] matrix whose log-sum-exp runs along the global batch
-(like the core's rows), from the gathered features (with gradient) and the gathered estimates (without). With a row
-block size (the tiled core's tile size) the blocks are recomputed in backward, so memory is O(rows × B).
+(like the core's rows), from the gathered features and the gathered estimates. When one process holds the whole
+batch, the text anchors' matrix is the transpose of the image anchors' (as in the dense core): one product serves
+both directions. Backward recomputes the product rather than keeping a b×B matrix: the step keeps only the features
+and a log-sum-exp per row, and with a row block size (the tiled core's tile size) holds T rows at a time, so its
+memory follows the core's.
 """
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from . import passes
 from .collectives import gather_batch
-from .precision import at_least_float32, similarities
+from .precision import at_least_float32, autocast_disabled, product, without_autocast
 
 
 def _joined(features, ref_features, sign):
@@ -32,18 +35,70 @@ def _joined(features, ref_features, sign):
     return features if ref_features is None else torch.cat([features, sign * ref_features], 1)
 
 
-def _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u):
-    """Row j: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)), d between this rank's samples (`rows`) and the
-    global batch's (`candidates`), both `_joined`; d_kk = `positives`."""
-    return torch.logsumexp((similarities(rows, candidates) - positives) * inv_tau - log_eps_u, dim=1)
+def _exponents(product_, positives, inv_tau, log_eps_u, dim):
+    """(d_jk − d_kk)·inv_tau − log(ε + u_k) for the anchors k along `dim` of the product (d_kk: `positives`)."""
+    shape = (1, -1) if dim == 1 else (-1, 1)
+    return (product_ - positives.view(shape)) * inv_tau - log_eps_u.view(shape)
 
 
-def _in_blocks(rows, candidates, positives, inv_tau, log_eps_u, block_rows):
-    """`_log_column_sums` of all rows, `block_rows` at a time, each block recomputed in backward (0: all at once)."""
+# the passes over d, compiled on CUDA as the core's are (passes.fused): forward's log-sum-exps, backward's gradient
+
+def _log_sums(d, positives, inv_tau, log_eps_u, transposed):
+    """log Σ_k of each row's exponents, and with `transposed` = (inv_tau, log ε + u) of each column's over its rows."""
+    out = (torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1), dim=1),)
+    if transposed is not None:
+        out += (torch.logsumexp(_exponents(d, positives, *transposed, 0), dim=0),)
+    return out
+
+
+def _gradient(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, dtype):
+    """(∂/∂d in `dtype`, ∂/∂positives): row j's softmax times upstream_j·inv_tau, each d_jk − d_kk of column k
+    subtracting the positive d_kk; with `transposed`, column k's softmax too, each d_jk − d_jj subtracting d_jj."""
+    grad = _exponents(d, positives, inv_tau, log_eps_u, 1).sub_(lse[0][:, None]).exp_()
+    grad.mul_((upstream[0] * inv_tau)[:, None])
+    grad_positives = -grad.sum(0)
+    if transposed is not None:
+        other = _exponents(d, positives, *transposed, 0).sub_(lse[1][None, :]).exp_()
+        other.mul_((upstream[1] * transposed[0])[None, :])
+        grad_positives = grad_positives - other.sum(1)
+        grad.add_(other)
+    return grad.to(dtype), grad_positives
+
+
+class _ColumnLogSumExp(torch.autograd.Function):
+    """Per row j of d = rows·candidatesᵀ: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)) over the candidates k;
+    with `transposed` = (inv_tau, log ε + u) of the other direction, also per column of d, over its rows (one process:
+    the other direction's matrix is dᵀ, its anchors d's rows). Differentiable in the features and the positives;
+    backward recomputes d (the step keeps no b×B matrix)."""
+
+    @staticmethod
+    def forward(ctx, rows, candidates, positives, inv_tau, log_eps_u, transposed):
+        with autocast_disabled(rows.device):
+            d = product(rows, candidates.T)
+            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed)
+        ctx.save_for_backward(rows, candidates, positives, *out)
+        ctx.inv_tau, ctx.log_eps_u, ctx.transposed = inv_tau, log_eps_u, transposed
+        return out if transposed is not None else out[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @without_autocast
+    def backward(ctx, *upstream):
+        rows, candidates, positives, *lse = ctx.saved_tensors
+        d = product(rows, candidates.T)
+        grad, grad_positives = passes.fused(_gradient, d)(d, positives, ctx.inv_tau, ctx.log_eps_u, ctx.transposed,
+                                                           lse, upstream, rows.dtype)
+        del d
+        return (product(grad, candidates).to(rows.dtype), product(grad.T, rows).to(candidates.dtype),
+                grad_positives, None, None, None)
+
+
+def _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u, block_rows):
+    """`_ColumnLogSumExp` of all rows, `block_rows` at a time (0: all at once)."""
     if not block_rows or block_rows >= rows.shape[0]:
-        return _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u)
-    return torch.cat([checkpoint(_log_column_sums, block, candidates, positives, inv_tau, log_eps_u,
-                                 use_reentrant=False) for block in rows.split(block_rows)])
+        return _ColumnLogSumExp.apply(rows, candidates, positives, inv_tau, log_eps_u, None)
+    return torch.cat([_ColumnLogSumExp.apply(block, candidates, positives, inv_tau, log_eps_u, None)
+                      for block in rows.split(block_rows)])
 
 
 def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, log_u_image, log_u_text, log_eps,
@@ -63,12 +118,17 @@ def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, lo
         log_u = gather_batch(log_u, world_size, with_grad=False, device=device)
         return torch.logaddexp(log_u, torch.full_like(log_u, log_eps))
 
-    tau_image, tau_text = tau_image.detach(), tau_text.detach()
+    inv_tau_image, inv_tau_text = 1 / tau_image.detach(), 1 / tau_text.detach()
     # the image anchors k against this rank's texts j: rows j, d_jk = text_j·image_k − α ref_text_j·ref_image_k
-    over_images = _in_blocks(_joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1), positives,
-                             1 / tau_image, log_eps_u(log_u_image), rows)
-    # the text anchors k against this rank's images i: d_ik = image_i·text_k − α ref_image_i·ref_text_k
-    over_texts = _in_blocks(_joined(image, ref_image, 1), _joined(all_text, all_ref_text, -1), positives,
-                            1 / tau_text, log_eps_u(log_u_text), rows)
+    texts, all_images = _joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1)
+    if world_size == 1 and not 0 < rows < texts.shape[0]:
+        # the text anchors' d_ik = image_i·text_k − α ref_image_i·ref_text_k is the same d, transposed
+        over_images, over_texts = _ColumnLogSumExp.apply(texts, all_images, positives, inv_tau_image,
+                                                         log_eps_u(log_u_image), (inv_tau_text, log_eps_u(log_u_text)))
+    else:
+        over_images = _log_column_sums(texts, all_images, positives, inv_tau_image, log_eps_u(log_u_image), rows)
+        # the text anchors k against this rank's images i: d_ik = image_i·text_k − α ref_image_i·ref_text_k
+        over_texts = _log_column_sums(_joined(image, ref_image, 1), _joined(all_text, all_ref_text, -1), positives,
+                                      inv_tau_text, log_eps_u(log_u_text), rows)
     log_batch = math.log(all_image.shape[0])
-    return tau_image * (over_images - log_batch) + tau_text * (over_texts - log_batch)
+    return (over_images - log_batch) / inv_tau_image + (over_texts - log_batch) / inv_tau_text
