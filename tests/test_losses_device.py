@@ -21,7 +21,7 @@ META = torch.device('meta')  # a device other than the CPU that needs no acceler
 MOVABLE = {
     'drrho': dict(gamma=0.5),
     'drrho-tiled-sharded': dict(gamma=0.5, tile_size=3, state_layout='sharded'),
-    'drrho-column': dict(gamma=0.5, column_step=True),
+    'drrho-no-column': dict(gamma=0.5, column_step=False),
     'isogclr': dict(),
     'tempnet': dict(embed_dim=8),
     'adnce': dict(adnce_sigma=0.5),

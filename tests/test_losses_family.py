@@ -81,14 +81,15 @@ def test_every_loss_has_help_and_paper_defaults():
     assert get_loss_spec('drrho').defaults['reference_logit_scale'] == 'auto'
 
 
-def test_drrho_paper_is_drrho_with_the_papers_three_flags():
+def test_drrho_paper_is_drrho_with_the_papers_four_flags():
     paper = get_loss_spec('drrho-paper').defaults
     assert paper == {**get_loss_spec('drrho').defaults, 'temperature': 0.01, 'learn_temperature': False,
-                     'reference_weight': 1.0}
-    # the same loss as `--loss drrho --no-learn-temperature --temperature 0.01 --reference-weight 1`, state included
+                     'reference_weight': 1.0, 'column_step': False}
+    # the same loss as `--loss drrho --no-learn-temperature --temperature 0.01 --reference-weight 1
+    # --no-column-step`, state included
     losses = [create_loss('drrho-paper', num_samples=16, gamma=0.5),
               create_loss('drrho', num_samples=16, gamma=0.5, learn_temperature=False, temperature=0.01,
-                          reference_weight=1.0)]
+                          reference_weight=1.0, column_step=False)]
     for step in range(3):  # the second visit of a sample reads the u its first wrote
         image, text, ref_image, ref_text = make_batch(step, 8)
         index = torch.arange(8) + 8 * (step % 2)

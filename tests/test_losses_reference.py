@@ -117,7 +117,8 @@ def test_sogclr_estimator_over_steps(name, decay_epochs):
     With 3 decay epochs, γ on its cosine from 1 to γ_min in epochs 1 and 2 (the defaults decay over 16 or 18: a γ
     that jumped to γ_min, or decayed on another schedule, would weigh the revisits' old u wrongly)."""
     num_samples, n, tau, eps, gamma = 14, 5, 0.05, 1e-3, 0.6
-    fixed = dict(learn_temperature=False) if name == 'drrho' else {}  # drrho learns its τ unless told not to
+    # drrho learns its τ unless told not to; the DRO alone, without drrho's column step (tested below)
+    fixed = dict(learn_temperature=False, column_step=False) if name == 'drrho' else {}
     loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma,
                        gamma_decay_epochs=decay_epochs, **fixed)
     u_image = torch.full((num_samples,), float('nan'), **F64)
@@ -192,7 +193,8 @@ def test_learnable_temperature_gradient(name):
     num_samples, n, eps, gamma, rho = 9, 6, 1e-3, 0.5, 0.7
     options = dict(num_samples=num_samples, epsilon=eps, gamma=gamma, gamma_decay_epochs=1, rho=rho,
                    temperature=0.07, temperature_optimizer='model')
-    loss = create_loss(name, learn_temperature=True if name == 'drrho' else None, **options)
+    drrho = dict(learn_temperature=True, column_step=False) if name == 'drrho' else {}  # the DRO alone
+    loss = create_loss(name, **drrho, **options)
     u_image = torch.full((num_samples,), float('nan'), **F64)
     u_text = u_image.clone()
     g = torch.Generator().manual_seed(2)
@@ -232,7 +234,7 @@ def test_reference_weight_scales_the_shift(alpha, tile_size):
     formula; dense and tiled (4 columns of 7) alike."""
     n, eps, rho = 7, 1e-3, 0.7
     loss = create_loss('drrho', gamma=1.0, epsilon=eps, rho=rho, temperature=0.07, temperature_optimizer='model',
-                       reference_weight=alpha, tile_size=tile_size)
+                       reference_weight=alpha, tile_size=tile_size, column_step=False)
     image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(5), n)
     logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
     out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text)
@@ -376,9 +378,10 @@ def test_dro_distillation(name):
     learn = name == 'fastclip'
     logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
     options = dict(gamma=1.0, epsilon=eps, distill_weight=lam, reference_logit_scale=teacher)
-    # the paper's settings: fastclip's τ the model's logit_scale with ρ 8.5, drrho's τ fixed at 0.01
+    # the paper's settings: fastclip's τ the model's logit_scale with ρ 8.5, drrho's τ fixed at 0.01, no column step
     options.update(dict(temperature_optimizer='model', rho=8.5) if learn else dict(temperature=0.01,
-                                                                                   learn_temperature=False))
+                                                                                   learn_temperature=False,
+                                                                                   column_step=False))
     out = create_loss(name, **options)(image, text, logit_scale, ref_image_features=ref_image,
                                        ref_text_features=ref_text, output_dict=True)
 
@@ -777,7 +780,8 @@ def test_eval_mode_is_the_batch_objective(name):
     """In eval mode the value is the mini-batch objective of the current τ, mean_i τ_i log(ε + g_i) over both
     directions plus ρ(τ_image + τ_text), whatever u holds: here after training steps that set u and moved τ."""
     num_samples, n, eps = 24, 12, 1e-3
-    loss = create_loss(name, num_samples=num_samples, epsilon=eps, gamma=0.5, gamma_decay_epochs=1)
+    drrho = dict(column_step=False) if name == 'drrho' else {}  # the DRO's own objective
+    loss = create_loss(name, num_samples=num_samples, epsilon=eps, gamma=0.5, gamma_decay_epochs=1, **drrho)
     if hasattr(loss, 'set_total_steps'):
         loss.set_total_steps(4)
     g = torch.Generator().manual_seed(5)

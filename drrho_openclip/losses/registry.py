@@ -80,7 +80,8 @@ OPTION_HELP = dict(
     reference_shift="also shift the pairwise loss by the reference model (the RHO loss; not in the method's paper)",
     column_step="add one column half-step of each direction's shifted logits to the DRO, each anchor's u as its row's "
                 "normaliser, as the balanced CLIP loss follows CLIP's rows (new here, not in the method's paper; "
-                "measured above drrho without it, or level, in the eight settings tried: docs/defaults.md)",
+                "drrho's default, measured above the DRO without it or level in most settings tried: "
+                "docs/defaults.md; --no-column-step: the DRO alone, as the paper's)",
     adnce_mu="µ, centre of ADNCE's Gaussian weight on negative similarities",
     adnce_sigma="σ, width of ADNCE's Gaussian weight on negative similarities",
     balance_steps="k, the number of Sinkhorn half-steps (1 = CLIP)",
