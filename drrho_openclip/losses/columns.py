@@ -35,31 +35,34 @@ def _joined(features, ref_features, sign):
     return features if ref_features is None else torch.cat([features, sign * ref_features], 1)
 
 
-def _exponents(product_, positives, inv_tau, log_eps_u, dim):
-    """(d_jk − d_kk)·inv_tau − log(ε + u_k) for the anchors k along `dim` of the product (d_kk: `positives`)."""
+def _exponents(product_, positives, inv_tau, log_eps_u, dim, in_place=False):
+    """(d_jk − d_kk)·inv_tau − log(ε + u_k) for the anchors k along `dim` of the product (d_kk: `positives`); written
+    over the product with `in_place` (its last use: one b×B matrix fewer at the peak)."""
     shape = (1, -1) if dim == 1 else (-1, 1)
-    return (product_ - positives.view(shape)) * inv_tau - log_eps_u.view(shape)
+    out = product_ if in_place else product_.clone()
+    return out.sub_(positives.view(shape)).mul_(inv_tau).sub_(log_eps_u.view(shape))
 
 
-# the passes over d, compiled on CUDA as the core's are (passes.fused): forward's log-sum-exps, backward's gradient
+# the passes over d, compiled on CUDA as the core's are (passes.fused): forward's log-sum-exps, backward's gradient;
+# each overwrites d, which its caller drops after it
 
 def _log_sums(d, positives, inv_tau, log_eps_u, transposed):
     """log Σ_k of each row's exponents, and with `transposed` = (inv_tau, log ε + u) of each column's over its rows."""
-    out = (torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1), dim=1),)
-    if transposed is not None:
-        out += (torch.logsumexp(_exponents(d, positives, *transposed, 0), dim=0),)
-    return out
+    if transposed is None:
+        return (torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1, in_place=True), dim=1),)
+    rows = torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1), dim=1)
+    return rows, torch.logsumexp(_exponents(d, positives, *transposed, 0, in_place=True), dim=0)
 
 
 def _gradient(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, dtype):
     """(∂/∂d in `dtype`, ∂/∂positives): row j's softmax times upstream_j·inv_tau, each d_jk − d_kk of column k
     subtracting the positive d_kk; with `transposed`, column k's softmax too, each d_jk − d_jj subtracting d_jj."""
-    grad = _exponents(d, positives, inv_tau, log_eps_u, 1).sub_(lse[0][:, None]).exp_()
-    grad.mul_((upstream[0] * inv_tau)[:, None])
+    grad = _exponents(d, positives, inv_tau, log_eps_u, 1, in_place=transposed is None)
+    grad.sub_(lse[0][:, None]).exp_().mul_((upstream[0] * inv_tau)[:, None])
     grad_positives = -grad.sum(0)
     if transposed is not None:
-        other = _exponents(d, positives, *transposed, 0).sub_(lse[1][None, :]).exp_()
-        other.mul_((upstream[1] * transposed[0])[None, :])
+        other = _exponents(d, positives, *transposed, 0, in_place=True)
+        other.sub_(lse[1][None, :]).exp_().mul_((upstream[1] * transposed[0])[None, :])
         grad_positives = grad_positives - other.sum(1)
         grad.add_(other)
     return grad.to(dtype), grad_positives
