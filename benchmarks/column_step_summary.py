@@ -103,9 +103,9 @@ def cell(runs_, seeds):
             f"{statistics.mean(recall):.1f} ± {statistics.stdev(recall):.1f}"), statistics.mean(recall)
 
 
-def paired(new, old, seeds, key, scale):
+def paired(new, old, seeds, key, scale, digits):
     d = [scale * (new[s][key] - old[s][key]) for s in seeds]
-    return (f"{statistics.mean(d):+.2f} ± {statistics.stdev(d) / len(d) ** 0.5:.2f} "
+    return (f"{statistics.mean(d):+.{digits}f} ± {statistics.stdev(d) / len(d) ** 0.5:.{digits}f} "
             f"({sum(x > 0 for x in d)} of {len(d)})")
 
 
@@ -122,7 +122,7 @@ def main():
                 cell(r, seeds) for r in (clip, old, new))
             lines.append(f"| {label} | {100 * fraction:g} % | {len(seeds)} | {clip_cell} | {old_cell} "
                          f"({old_recall / clip_recall:.2f}×) | {new_cell} (**{new_recall / clip_recall:.2f}×**) | "
-                         f"{paired(new, old, seeds, 'mean_recall', 1)} | {paired(new, old, seeds, 'accuracy', 100)} |")
+                         f"{paired(new, old, seeds, 'mean_recall', 1, 2)} | {paired(new, old, seeds, 'accuracy', 100, 1)} |")
     out = EVIDENCE / 'column_step.md'
     out.write_text("# The column step against the DRO without it\n\nCells: zero-shot top-1 / mean recall (%), mean ± "
                    "std over the seeds, ×`clip`'s mean recall; Δ: new − former, mean ± standard error.\n\n"
