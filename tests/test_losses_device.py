@@ -2,6 +2,7 @@
 (the sample index may arrive on the host), the collectives refuse a tensor off the features' device, 16-bit
 features keep the pairwise products in 16 bits, and the aggregations' backward ignores the caller's autocast."""
 import functools
+import math
 import subprocess
 import sys
 
@@ -407,6 +408,29 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
 
     eager = run(lambda fn, block: fn, compiles=False)
     compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True), compiles=True)  # fullgraph: no graph break
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('rows', [0, 4], ids=['both-directions', 'row-blocks'])
+def test_compiled_column_step_equals_the_eager_one(monkeypatch, rows):
+    """The column step's passes (`passes.fused`, compiled on CUDA), compiled here for the CPU, give the eager values
+    and gradients: one product for both directions (one process), and rows in blocks (the last one narrower), each
+    pass writing over the recomputed product."""
+    from drrho_openclip.losses import passes
+    from drrho_openclip.losses.columns import column_step
+
+    def run(fused):
+        monkeypatch.setattr(passes, 'fused', fused)
+        image, text, ref_image, ref_text = batch('cpu', n=10, d=8)
+        log_u = torch.linspace(-1.0, 1.0, 10)
+        out = column_step(image, text, image, text, (ref_image, ref_text, ref_image, ref_text), torch.tensor(0.1),
+                          torch.tensor(0.2), log_u, log_u.flip(0), math.log(1e-3), 1, rows)
+        total = (out * torch.linspace(-1.0, 2.0, 10)).sum()
+        return [out.detach(), *torch.autograd.grad(total, (image, text))]
+
+    eager = run(lambda fn, block: fn)
+    compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True))  # fullgraph: no graph break
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
