@@ -775,12 +775,15 @@ def test_jest_resumes_its_draws_exactly_whatever_the_global_rng():
         assert not torch.isclose(noise, other).any()  # another run, rank or chunk: other draws
 
 
-@pytest.mark.parametrize('name', ['drrho', 'sogclr', 'isogclr'])
+@pytest.mark.parametrize('name', ['drrho', 'drrho-column', 'sogclr', 'isogclr'])
 def test_eval_mode_is_the_batch_objective(name):
     """In eval mode the value is the mini-batch objective of the current τ, mean_i τ_i log(ε + g_i) over both
-    directions plus ρ(τ_image + τ_text), whatever u holds: here after training steps that set u and moved τ."""
+    directions plus ρ(τ_image + τ_text), whatever u holds: here after training steps that set u and moved τ. With
+    drrho's column step (its default), plus the columns with the batch's own g as the rows' normalisers."""
     num_samples, n, eps = 24, 12, 1e-3
-    drrho = dict(column_step=False) if name == 'drrho' else {}  # the DRO's own objective
+    columns = name == 'drrho-column'
+    name = 'drrho' if columns else name
+    drrho = dict(column_step=columns) if name == 'drrho' else {}
     loss = create_loss(name, num_samples=num_samples, epsilon=eps, gamma=0.5, gamma_decay_epochs=1, **drrho)
     if hasattr(loss, 'set_total_steps'):
         loss.set_total_steps(4)
@@ -806,6 +809,10 @@ def test_eval_mode_is_the_batch_objective(name):
     ell_image = shifted_loss(image, text, *((ref_image, ref_text) if use_ref else ()), alpha=ALPHA)
     ell_text = shifted_loss(text, image, *((ref_text, ref_image) if use_ref else ()), alpha=ALPHA)
     rho = loss.rho if loss.rho is not None else math.log((n - 1) / loss.target_negatives)
-    value = (tau_image * torch.log(eps + inner_mean(ell_image, tau_image))
-             + tau_text * torch.log(eps + inner_mean(ell_text, tau_text)) + rho * (tau_image + tau_text)).mean()
+    g_image, g_text = inner_mean(ell_image, tau_image), inner_mean(ell_text, tau_text)
+    value = (tau_image * torch.log(eps + g_image) + tau_text * torch.log(eps + g_text)
+             + rho * (tau_image + tau_text)).mean()
+    if columns:
+        value = value + (column_half_step(ell_image, tau_image, g_image, eps)
+                         + column_half_step(ell_text, tau_text, g_text, eps)).mean()
     assert_close(out, value, **TABLE)
