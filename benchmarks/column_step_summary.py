@@ -8,6 +8,7 @@ A row's runs: the new default (`drrho --column-step` in folders run before it be
 the former (`drrho` before, `drrho --no-column-step` after) and `clip`, each from the folders named (several joined
 by '+'), over the seeds all three have.
 """
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -83,17 +84,19 @@ CELLS = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def folder_runs(folder):
+    """The runs of one folder's replication.json, read once (a folder serves several rows and losses)."""
+    result = EVIDENCE / folder / 'replication.json'
+    if not result.is_file():
+        raise SystemExit(f"{result}: not there; run the command in {result.parent / 'command.txt'} first")
+    return json.loads(result.read_text())['runs']
+
+
 def runs(folders, loss, fraction):
     """{seed: run} of `loss` at `fraction` over the '+'-joined folders."""
-    found = {}
-    for folder in folders.split('+'):
-        result = EVIDENCE / folder / 'replication.json'
-        if not result.is_file():
-            raise SystemExit(f"{result}: not there; run the command in {result.parent / 'command.txt'} first")
-        for run in json.loads(result.read_text())['runs']:
-            if run['loss'] == loss and abs(run['fraction'] - fraction) < 1e-9:
-                found[run['seed']] = run
-    return found
+    return {run['seed']: run for folder in folders.split('+') for run in folder_runs(folder)
+            if run['loss'] == loss and abs(run['fraction'] - fraction) < 1e-9}
 
 
 def cell(runs_, seeds):
@@ -122,7 +125,8 @@ def main():
                 cell(r, seeds) for r in (clip, old, new))
             lines.append(f"| {label} | {100 * fraction:g} % | {len(seeds)} | {clip_cell} | {old_cell} "
                          f"({old_recall / clip_recall:.2f}×) | {new_cell} (**{new_recall / clip_recall:.2f}×**) | "
-                         f"{paired(new, old, seeds, 'mean_recall', 1, 2)} | {paired(new, old, seeds, 'accuracy', 100, 1)} |")
+                         f"{paired(new, old, seeds, 'mean_recall', 1, 2)} | "
+                         f"{paired(new, old, seeds, 'accuracy', 100, 1)} |")
     out = EVIDENCE / 'column_step.md'
     out.write_text("# The column step against the DRO without it\n\nCells: zero-shot top-1 / mean recall (%), mean ± "
                    "std over the seeds, ×`clip`'s mean recall; Δ: new − former, mean ± standard error.\n\n"

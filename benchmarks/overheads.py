@@ -396,10 +396,10 @@ def main(argv=None):
         unknown = sorted({c for c in chosen or () if loss_and_options(c)[0] not in list_losses()})
         if unknown:
             p.error(f"{flag}: {', '.join(unknown)} not registered (registered: {', '.join(list_losses())})")
-    names = [BASELINE, *(args.losses or list_losses())]
+    names = [BASELINE, *dict.fromkeys(args.losses or list_losses())]  # each named once, as given
     # --smoke checks the memory path on the drrho/ClipLoss pair at one size only: each measurement is a process
     memory_losses = args.memory_losses or (['drrho'] if args.smoke else names[1:])
-    memory_names = [BASELINE, *memory_losses]
+    memory_names = [BASELINE, *dict.fromkeys(memory_losses)]
     memory_sizes = args.memory_sizes if args.memory_sizes is not None else sizes[:1] if args.smoke else sizes
     # the report puts each memory next to its loss's time, as a ratio to ClipLoss's at that batch
     untimed = sorted(set(memory_names) - set(names)) + [f'B={b}' for b in memory_sizes if b not in sizes]
