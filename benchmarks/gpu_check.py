@@ -18,7 +18,8 @@ Cases (each passes or fails on its own; the exit status is 0 only if every case 
   the gradients of the features and of 1/τ (untiled: plain, with the reference shift, per-anchor τ, ADNCE's
   log-weights, a rank's block of a larger batch; tiled in three column tiles: the shift, ADNCE, a rank's block;
   float32 and bf16 features; batch 12 and 2048); the same for the balanced loss's half-steps (aggregation/balanced-…:
-  both branches with the reference shift, k = 3, a rank's block of rows);
+  both branches with the reference shift, k = 3, a rank's block of rows) and for `drrho`'s column step
+  (aggregation/column…: with the reference shift, both directions from one product, and in row blocks);
 - two-ranks/...: two processes on one GPU in a `cuda:gloo` process group, which, like NCCL, rejects a CPU tensor in
   any collective (NCCL itself refuses two ranks on one GPU); each rank holds half of a global batch on the device,
   and the loss value, the features' gradients and the per-sample state must equal one process with the whole batch.
@@ -215,10 +216,12 @@ def two_rank_case(case, device, port):
 
 
 # the untiled aggregation, the tiled one ('tiled-…': three column tiles, the last narrower) on the same inputs, and
-# the balanced loss's half-steps ('balanced-…': k = 2 unless k3; a rank-block's columns normalised over its rows)
+# the balanced loss's half-steps ('balanced-…': k = 2 unless k3; a rank-block's columns normalised over its rows),
+# and `drrho`'s column step with the reference shift ('column': both directions from one product; 'column-rows': each
+# direction in row blocks, as with a tile size)
 AGGREGATION_VARIANTS = ('plain', 'reference', 'per-anchor-tau', 'adnce', 'rank-block',
                         'tiled-reference', 'tiled-adnce', 'tiled-rank-block',
-                        'balanced-reference', 'balanced-k3', 'balanced-rank-block')
+                        'balanced-reference', 'balanced-k3', 'balanced-rank-block', 'column', 'column-rows')
 
 
 def _aggregation_inputs(variant, batch, dtype, seed):
@@ -232,7 +235,7 @@ def _aggregation_inputs(variant, batch, dtype, seed):
     inv_tau_image = (15 + 10 * torch.rand(width, generator=g, dtype=torch.float64)).requires_grad_()
     inv_tau_text = (15 + 10 * torch.rand(width, generator=g, dtype=torch.float64)).requires_grad_()
     kwargs = {}
-    if variant == 'reference':
+    if variant == 'reference' or variant.startswith('column'):
         kwargs['reference'] = (unit(), unit())
     if variant == 'adnce':
         from drrho_openclip.losses.adnce import adnce_log_weight
@@ -293,6 +296,23 @@ def _balance(args, kwargs, variant, device, dtype):
     return [t.detach().cpu().double() for t in (*values, *grads)]
 
 
+def _column(args, kwargs, variant, device, dtype):
+    """(the column step's [b] value, gradients of image and text) on `device`, features in `dtype`; each anchor's
+    log u drawn once from the batch size, so the device and the float64 run see the same."""
+    from drrho_openclip.losses.columns import column_step
+    leaves, reference = _on_device(args[:2], kwargs, device, dtype)
+    image, text = leaves
+    batch = image.shape[0]
+    tau_image, tau_text = (1 / a.detach().to(device, torch.promote_types(dtype, torch.float32)) for a in args[2:])
+    g = torch.Generator().manual_seed(batch)
+    log_u_image, log_u_text = (torch.randn(batch, generator=g).to(device) for _ in range(2))
+    rows = batch // 3 + 1 if variant == 'column-rows' else 0
+    value = column_step(image, text, image, text, (*reference, *reference), tau_image, tau_text, log_u_image,
+                        log_u_text, -3.0, 1, rows)
+    upstream = torch.linspace(-1, 2, batch, device=device, dtype=value.dtype)
+    return [t.detach().cpu().double() for t in (value, *torch.autograd.grad((value * upstream).sum(), leaves))]
+
+
 def aggregation_name(variant, dtype, batch):
     return f"aggregation/{variant}/{str(dtype).removeprefix('torch.')}/{batch}"
 
@@ -303,7 +323,8 @@ def aggregation_case(variant, dtype, batch, device):
     torch._dynamo.reset()  # every case compiled afresh (past dynamo's recompile limit it would run eagerly)
     try:
         args, kwargs = _aggregation_inputs(variant, batch, dtype, seed=batch)
-        run = _balance if variant.startswith('balanced-') else _aggregate
+        run = (_balance if variant.startswith('balanced-') else _column if variant.startswith('column')
+               else _aggregate)
         on_device = run(args, kwargs, variant, device, dtype)
         exact = run(args, kwargs, variant, 'cpu', torch.float64)
         # values: the same rounded inputs, float32 arithmetic, except that a device without a float32-output
@@ -311,7 +332,7 @@ def aggregation_case(variant, dtype, batch, device):
         from drrho_openclip.losses.precision import _has_float32_output_mm
         exact_products = dtype == torch.float32 or _has_float32_output_mm(torch.device(device))
         tolerances = (1e-4 if exact_products else 1e-2, 1e-4 if dtype == torch.float32 else 2e-2)
-        values = len(on_device) - 3 if run is _balance else 2  # the rest are gradients
+        values = {_balance: len(on_device) - 3, _column: 1}.get(run, 2)  # the rest are gradients
         for k, (got, want) in enumerate(zip(on_device, exact)):
             error = ((got - want).norm() / want.norm()).item()
             if not error <= tolerances[k >= values]:  # NaN fails too
