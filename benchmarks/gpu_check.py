@@ -19,7 +19,7 @@ Cases (each passes or fails on its own; the exit status is 0 only if every case 
   log-weights, a rank's block of a larger batch; tiled in three column tiles: the shift, ADNCE, a rank's block;
   float32 and bf16 features; batch 12 and 2048); the same for the balanced loss's half-steps (aggregation/balanced-…:
   both branches with the reference shift, k = 3, a rank's block of rows) and for `drrho`'s column step
-  (aggregation/column…: with the reference shift, both directions from one product, and in row blocks);
+  (aggregation/column…: with the reference shift, over the dense core's matrix, and its own products in row blocks);
 - two-ranks/...: two processes on one GPU in a `cuda:gloo` process group, which, like NCCL, rejects a CPU tensor in
   any collective (NCCL itself refuses two ranks on one GPU); each rank holds half of a global batch on the device,
   and the loss value, the features' gradients and the per-sample state must equal one process with the whole batch.
@@ -217,8 +217,8 @@ def two_rank_case(case, device, port):
 
 # the untiled aggregation, the tiled one ('tiled-…': three column tiles, the last narrower) on the same inputs, and
 # the balanced loss's half-steps ('balanced-…': k = 2 unless k3; a rank-block's columns normalised over its rows),
-# and `drrho`'s column step with the reference shift ('column': both directions from one product; 'column-rows': each
-# direction in row blocks, as with a tile size)
+# and `drrho`'s column step with the reference shift ('column': over the dense core's matrix, one process, its
+# gradient through the core's backward; 'column-rows': each direction's own product in row blocks, as with a tile size)
 AGGREGATION_VARIANTS = ('plain', 'reference', 'per-anchor-tau', 'adnce', 'rank-block',
                         'tiled-reference', 'tiled-adnce', 'tiled-rank-block',
                         'balanced-reference', 'balanced-k3', 'balanced-rank-block', 'column', 'column-rows')
@@ -300,15 +300,19 @@ def _column(args, kwargs, variant, device, dtype):
     """(the column step's [b] value, gradients of image and text) on `device`, features in `dtype`; each anchor's
     log u drawn once from the batch size, so the device and the float64 run see the same."""
     from drrho_openclip.losses.columns import column_step
+    from drrho_openclip.losses.dense import dense_aggregate
     leaves, reference = _on_device(args[:2], kwargs, device, dtype)
     image, text = leaves
     batch = image.shape[0]
     tau_image, tau_text = (1 / a.detach().to(device, torch.promote_types(dtype, torch.float32)) for a in args[2:])
     g = torch.Generator().manual_seed(batch)
     log_u_image, log_u_text = (torch.randn(batch, generator=g).to(device) for _ in range(2))
-    rows = batch // 3 + 1 if variant == 'column-rows' else 0
-    value = column_step(image, text, image, text, (*reference, *reference), tau_image, tau_text, log_u_image,
-                        log_u_text, -3.0, 1, rows)
+    shift, rows, pairs = (*reference, *reference), batch // 3 + 1, None
+    if variant == 'column':
+        rows, pairs = 0, dense_aggregate(image, text, image, text, 0, 1 / tau_image, 1 / tau_text, shift,
+                                         keep_pairs=True)[2]
+    value = column_step(image, text, image, text, shift, tau_image, tau_text, log_u_image, log_u_text, -3.0, 1,
+                        rows=rows, pairs=pairs)
     upstream = torch.linspace(-1, 2, batch, device=device, dtype=value.dtype)
     return [t.detach().cpu().double() for t in (value, *torch.autograd.grad((value * upstream).sum(), leaves))]
 

@@ -412,20 +412,26 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('rows', [0, 4], ids=['both-directions', 'row-blocks'])
-def test_compiled_column_step_equals_the_eager_one(monkeypatch, rows):
+@pytest.mark.parametrize('source', ['core-pairs', 'own-product', 'row-blocks'])
+def test_compiled_column_step_equals_the_eager_one(monkeypatch, source):
     """The column step's passes (`passes.fused`, compiled on CUDA), compiled here for the CPU, give the eager values
-    and gradients: one product for both directions (one process), and rows in blocks (the last one narrower), each
-    pass writing over the recomputed product."""
+    and gradients: over the dense core's own matrix (one process: both directions, its gradient through the core's
+    backward), over one product of its own for both directions, and over rows in blocks (the last one narrower),
+    each pass writing over the recomputed product."""
     from drrho_openclip.losses import passes
     from drrho_openclip.losses.columns import column_step
+    from drrho_openclip.losses.dense import dense_aggregate
 
     def run(fused):
         monkeypatch.setattr(passes, 'fused', fused)
         image, text, ref_image, ref_text = batch('cpu', n=10, d=8)
+        shift = (ref_image, ref_text, ref_image, ref_text)
+        pairs = None
+        if source == 'core-pairs':
+            pairs = dense_aggregate(image, text, image, text, 0, 10.0, 5.0, shift, keep_pairs=True)[2]
         log_u = torch.linspace(-1.0, 1.0, 10)
-        out = column_step(image, text, image, text, (ref_image, ref_text, ref_image, ref_text), torch.tensor(0.1),
-                          torch.tensor(0.2), log_u, log_u.flip(0), math.log(1e-3), 1, rows)
+        out = column_step(image, text, image, text, shift, torch.tensor(0.1), torch.tensor(0.2), log_u, log_u.flip(0),
+                          math.log(1e-3), 1, rows=4 if source == 'row-blocks' else 0, pairs=pairs)
         total = (out * torch.linspace(-1.0, 2.0, 10)).sum()
         return [out.detach(), *torch.autograd.grad(total, (image, text))]
 

@@ -14,11 +14,12 @@ column's softmax of exp(ℓ̂_kj/τ)/(ε + u_k). τ is a constant here: a learne
 
 Layout: candidate j's column is this rank's sample j against every anchor of the global batch, so each rank
 computes the columns of its own samples, as rows of a [b, B] matrix whose log-sum-exp runs along the global batch
-(like the core's rows), from the gathered features and the gathered estimates. When one process holds the whole
-batch, the text anchors' matrix is the transpose of the image anchors' (as in the dense core): one product serves
-both directions. Backward recomputes the product rather than keeping a b×B matrix: the step keeps only the features
-and a log-sum-exp per row, and with a row block size (the tiled core's tile size) holds T rows at a time, so its
-memory follows the core's.
+(like the core's rows), with the gathered estimates. That matrix is one the core's other direction already has: the
+image anchors' columns over this rank's texts are the rows of the text anchors' d (text_j·image_k − α ref·ref), and
+when one process holds the whole batch the columns of the image anchors' d. With the dense core (`pairs`, its kept
+matrices) the step is one more pass over them forward and one backward, whose ∂/∂d joins the core's gradient before
+the core's products: no product of its own. With the tiled core (a row block size, its tile size) it multiplies the
+features itself, T rows at a time, and recomputes them in backward, so its memory follows the core's.
 """
 import math
 
@@ -44,25 +45,28 @@ def _exponents(product_, positives, inv_tau, log_eps_u, dim, in_place=False):
 
 
 # the passes over d, compiled on CUDA as the core's are (passes.fused): forward's log-sum-exps, backward's gradient;
-# each overwrites d, which its caller drops after it
+# with `own` each overwrites d (a product of the step's own, dropped after), else d is only read (the core's)
 
-def _log_sums(d, positives, inv_tau, log_eps_u, transposed):
+def _log_sums(d, positives, inv_tau, log_eps_u, transposed, own):
     """log Σ_k of each row's exponents, and with `transposed` = (inv_tau, log ε + u) of each column's over its rows."""
     if transposed is None:
-        return (torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1, in_place=True), dim=1),)
+        return (torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1, in_place=own), dim=1),)
     rows = torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1), dim=1)
-    return rows, torch.logsumexp(_exponents(d, positives, *transposed, 0, in_place=True), dim=0)
+    return rows, torch.logsumexp(_exponents(d, positives, *transposed, 0, in_place=own), dim=0)
 
 
-def _gradient(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, dtype):
+def _gradient(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, dtype, own, offset):
     """(∂/∂d in `dtype`, ∂/∂positives): row j's softmax times upstream_j·inv_tau, each d_jk − d_kk of column k
-    subtracting the positive d_kk; with `transposed`, column k's softmax too, each d_jk − d_jj subtracting d_jj."""
-    grad = _exponents(d, positives, inv_tau, log_eps_u, 1, in_place=transposed is None)
-    grad.sub_(lse[0][:, None]).exp_().mul_((upstream[0] * inv_tau)[:, None])
+    subtracting the positive d_kk; with `transposed`, column k's softmax too, each d_jk − d_jj subtracting d_jj.
+    Row j's own pair (column offset + j) gets 0 on both sides: its exponent d_jj − d_jj is constant, and its two
+    equal and opposite terms (often d's largest gradient entries) would otherwise cancel only after rounding."""
+    grad = _exponents(d, positives, inv_tau, log_eps_u, 1, in_place=own and transposed is None)
+    grad = passes.set_positives(grad.sub_(lse[0][:, None]).exp_().mul_((upstream[0] * inv_tau)[:, None]), offset, 0.0)
     grad_positives = -grad.sum(0)
     if transposed is not None:
-        other = _exponents(d, positives, *transposed, 0, in_place=True)
-        other.sub_(lse[1][None, :]).exp_().mul_((upstream[1] * transposed[0])[None, :])
+        other = _exponents(d, positives, *transposed, 0, in_place=own)
+        other = passes.set_positives(other.sub_(lse[1][None, :]).exp_().mul_((upstream[1] * transposed[0])[None, :]),
+                                     offset, 0.0)
         grad_positives = grad_positives - other.sum(1)
         grad.add_(other)
     return grad.to(dtype), grad_positives
@@ -71,16 +75,16 @@ def _gradient(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, dtype
 class _ColumnLogSumExp(torch.autograd.Function):
     """Per row j of d = rows·candidatesᵀ: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)) over the candidates k;
     with `transposed` = (inv_tau, log ε + u) of the other direction, also per column of d, over its rows (one process:
-    the other direction's matrix is dᵀ, its anchors d's rows). Differentiable in the features and the positives;
-    backward recomputes d (the step keeps no b×B matrix)."""
+    the other direction's matrix is dᵀ, its anchors d's rows). Row j's own pair is column offset + j. Differentiable in
+    the features and the positives; backward recomputes d (the step keeps no b×B matrix)."""
 
     @staticmethod
-    def forward(ctx, rows, candidates, positives, inv_tau, log_eps_u, transposed):
+    def forward(ctx, rows, candidates, positives, inv_tau, log_eps_u, transposed, offset):
         with autocast_disabled(rows.device):
             d = product(rows, candidates.T)
-            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed)
+            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed, True)
         ctx.save_for_backward(rows, candidates, positives, *out)
-        ctx.inv_tau, ctx.log_eps_u, ctx.transposed = inv_tau, log_eps_u, transposed
+        ctx.inv_tau, ctx.log_eps_u, ctx.transposed, ctx.offset = inv_tau, log_eps_u, transposed, offset
         return out if transposed is not None else out[0]
 
     @staticmethod
@@ -90,25 +94,51 @@ class _ColumnLogSumExp(torch.autograd.Function):
         rows, candidates, positives, *lse = ctx.saved_tensors
         d = product(rows, candidates.T)
         grad, grad_positives = passes.fused(_gradient, d)(d, positives, ctx.inv_tau, ctx.log_eps_u, ctx.transposed,
-                                                           lse, upstream, rows.dtype)
+                                                           lse, upstream, rows.dtype, True, ctx.offset)
         del d
         return (product(grad, candidates).to(rows.dtype), product(grad.T, rows).to(candidates.dtype),
-                grad_positives, None, None, None)
+                grad_positives, None, None, None, None)
 
 
-def _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u, block_rows):
+class _ColumnLogSumExpOfPairs(torch.autograd.Function):
+    """`_ColumnLogSumExp` of a matrix d the dense core already holds (the rows' products with the candidates), read and
+    never written: no product here. Backward returns ∂/∂d in d's dtype (float32 or wider), which the core adds to its
+    own gradient of d before its products with the features."""
+
+    @staticmethod
+    def forward(ctx, d, positives, inv_tau, log_eps_u, transposed, offset):
+        with autocast_disabled(d.device):
+            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed, False)
+        ctx.save_for_backward(d, positives, *out)
+        ctx.inv_tau, ctx.log_eps_u, ctx.transposed, ctx.offset = inv_tau, log_eps_u, transposed, offset
+        return out if transposed is not None else out[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @without_autocast
+    def backward(ctx, *upstream):
+        d, positives, *lse = ctx.saved_tensors
+        grad, grad_positives = passes.fused(_gradient, d)(d, positives, ctx.inv_tau, ctx.log_eps_u, ctx.transposed,
+                                                           lse, upstream, d.dtype, False, ctx.offset)
+        return grad, grad_positives, None, None, None, None
+
+
+def _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u, offset, block_rows):
     """`_ColumnLogSumExp` of all rows, `block_rows` at a time (0: all at once)."""
     if not block_rows or block_rows >= rows.shape[0]:
-        return _ColumnLogSumExp.apply(rows, candidates, positives, inv_tau, log_eps_u, None)
-    return torch.cat([_ColumnLogSumExp.apply(block, candidates, positives, inv_tau, log_eps_u, None)
-                      for block in rows.split(block_rows)])
+        return _ColumnLogSumExp.apply(rows, candidates, positives, inv_tau, log_eps_u, None, offset)
+    return torch.cat([_ColumnLogSumExp.apply(block, candidates, positives, inv_tau, log_eps_u, None, offset + start)
+                      for start, block in zip(range(0, rows.shape[0], block_rows), rows.split(block_rows))])
 
 
 def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, log_u_image, log_u_text, log_eps,
-                world_size, rows=0):
+                world_size, offset=0, rows=0, pairs=None):
     """[b]: for each of this rank's samples, the image anchors' column of its text plus the text anchors' column of
     its image (C_j above, each with its direction's τ and u). `shift`: the α-scaled reference features (ref_image,
-    ref_text, all_ref_image, all_ref_text) or None; `log_u_*`: this rank's anchors' log u; `log_eps`: log ε."""
+    ref_text, all_ref_image, all_ref_text) or None; `log_u_*`: this rank's anchors' log u; `log_eps`: log ε;
+    `offset`: this rank's first sample in the global batch. `pairs`: the dense core's (d of the image anchors' rows, d of the text anchors' rows) of the same features and
+    shift (`dense_aggregate(keep_pairs=True)`), read instead of multiplying the features; else `rows` > 0 multiplies
+    them that many rows at a time."""
     if tau_image.dim() or tau_text.dim():
         raise ValueError("the column step needs a global temperature (each column mixes every anchor's τ)")
     device = image.device
@@ -123,15 +153,26 @@ def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, lo
 
     inv_tau_image, inv_tau_text = 1 / tau_image.detach(), 1 / tau_text.detach()
     # the image anchors k against this rank's texts j: rows j, d_jk = text_j·image_k − α ref_text_j·ref_image_k
-    texts, all_images = _joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1)
-    if world_size == 1 and not 0 < rows < texts.shape[0]:
+    if pairs is not None and world_size == 1:
+        # the image anchors' d_ik (rows: this process's images) is the text anchors' d transposed: its rows are the
+        # text anchors' columns, its columns the image anchors'
+        over_texts, over_images = _ColumnLogSumExpOfPairs.apply(
+            pairs[0], positives, inv_tau_text, log_eps_u(log_u_text), (inv_tau_image, log_eps_u(log_u_image)), 0)
+    elif pairs is not None:  # the text anchors' rows are this rank's texts against every image anchor, and back
+        over_images = _ColumnLogSumExpOfPairs.apply(pairs[1], positives, inv_tau_image, log_eps_u(log_u_image), None,
+                                                    offset)
+        over_texts = _ColumnLogSumExpOfPairs.apply(pairs[0], positives, inv_tau_text, log_eps_u(log_u_text), None,
+                                                   offset)
+    elif world_size == 1 and not 0 < rows < image.shape[0]:
         # the text anchors' d_ik = image_i·text_k − α ref_image_i·ref_text_k is the same d, transposed
-        over_images, over_texts = _ColumnLogSumExp.apply(texts, all_images, positives, inv_tau_image,
-                                                         log_eps_u(log_u_image), (inv_tau_text, log_eps_u(log_u_text)))
+        over_images, over_texts = _ColumnLogSumExp.apply(
+            _joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1), positives, inv_tau_image,
+            log_eps_u(log_u_image), (inv_tau_text, log_eps_u(log_u_text)), 0)
     else:
-        over_images = _log_column_sums(texts, all_images, positives, inv_tau_image, log_eps_u(log_u_image), rows)
+        over_images = _log_column_sums(_joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1), positives,
+                                       inv_tau_image, log_eps_u(log_u_image), offset, rows)
         # the text anchors k against this rank's images i: d_ik = image_i·text_k − α ref_image_i·ref_text_k
         over_texts = _log_column_sums(_joined(image, ref_image, 1), _joined(all_text, all_ref_text, -1), positives,
-                                      inv_tau_text, log_eps_u(log_u_text), rows)
+                                      inv_tau_text, log_eps_u(log_u_text), offset, rows)
     log_batch = math.log(all_image.shape[0])
     return (over_images - log_batch) / inv_tau_image + (over_texts - log_batch) / inv_tau_text

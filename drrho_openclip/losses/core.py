@@ -256,8 +256,12 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             # a temperature chosen from the reference's margins sees them as the DRO weights do: α-scaled
             tau_image, tau_text = self._temperatures(logit_scale, index, image, text, shift, accum_step)
             inv_tau_image, inv_tau_text = 1.0 / tau_image, 1.0 / tau_text
-            log_g_image, log_g_text = self.aggregate(image, text, all_image, all_text, offset, inv_tau_image,
-                                                     inv_tau_text, shift, self.negative_log_weight)
+            aggregate_args = (image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, shift,
+                          self.negative_log_weight)
+            if self.column_step and self.aggregate is dense_aggregate:  # the column step reads the core's d
+                log_g_image, log_g_text, pairs = dense_aggregate(*aggregate_args, keep_pairs=True)
+            else:
+                (log_g_image, log_g_text), pairs = self.aggregate(*aggregate_args), None
             if self.training:
                 log_u_image, log_u_text = self._state_rows(index, log_g_image, log_g_text, accum_step)
             else:  # the batch's own objective: u = g, no state read or written
@@ -272,7 +276,8 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             loss = per_anchor.mean()
             if self.column_step:  # not in per_anchor: a learned τ steps on the DRO objective alone (`columns.py`)
                 columns = column_step(image, text, all_image, all_text, shift, tau_image, tau_text, log_u_image,
-                                      log_u_text, log_eps, self.world_size, rows=self.distill_rows).mean()
+                                      log_u_text, log_eps, self.world_size, offset, rows=self.distill_rows,
+                                      pairs=pairs).mean()
                 loss = loss + columns
             if self.training and not accum_step and hasattr(self.temperature, 'step'):
                 # By default τ steps on the estimate with u, as the paper's does. A sample's u is from its last

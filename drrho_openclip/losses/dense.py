@@ -63,10 +63,11 @@ def _statistics(shifted, rows, columns, offset, with_slope, sim=None, negative_l
                                          None, with_slope)
 
 
-def _gradient(shifted, rows, columns, offset, dtype, sim=None, negative_log_weight=None):
-    """∂/∂d of Σ upstream·log g over the rows (and columns) of d, in `dtype`, the features' (the products with the
-    features read it). `rows`, `columns`: (inv_tau, log_w, lse, weight, upstream) of each side; a positive d_ii,
-    which every ℓ̂_ij of its row subtracts, gets −upstream_i inv_tau_i Σ_j p_ij."""
+def _gradient(shifted, rows, columns, offset, dtype, upstream_d=None, sim=None, negative_log_weight=None):
+    """∂/∂d of Σ upstream·log g over the rows (and columns) of d, plus `upstream_d` (what reached d itself, the
+    returned matrix, or None), in `dtype`, the features' (the products with the features read it). `rows`, `columns`:
+    (inv_tau, log_w, lse, weight, upstream) of each side; a positive d_ii, which every ℓ̂_ij of its row subtracts,
+    gets −upstream_i inv_tau_i Σ_j p_ij."""
     inv_tau, log_w, lse, weight, upstream = rows
     scale = upstream * inv_tau
     grad = passes.row_gradient(shifted, inv_tau, _log_weight(log_w, negative_log_weight, sim, offset), offset, None,
@@ -79,18 +80,20 @@ def _gradient(shifted, rows, columns, offset, dtype, sim=None, negative_log_weig
         grad.add_(passes.row_gradient(shifted.T, inv_tau, _log_weight(log_w, negative_log_weight, sim, 0), 0, None,
                                       lse, scale).T)
         positive = positive - scale * weight
-    return passes.set_positives(grad, offset, positive).to(dtype)
+    grad = passes.set_positives(grad, offset, positive)
+    return (grad if upstream_d is None else grad.add_(upstream_d)).to(dtype)
 
 
 # ---- the aggregation ------------------------------------------------------------------------------------------------
 
 class _DenseLogMeanExp(torch.autograd.Function):
     """(log g, τ-slope) of the anchors over the candidates, d = anchors·candidatesᵀ [− ref_anchors·ref_candidatesᵀ],
-    and with `inv_tau_columns` also of the candidates over the anchors (d's columns; one process, offset 0). 1/τ is one
-    constant per anchor ([b]); `negative_log_weight` (or None) gives each direction's constant log-weights from its
-    raw similarities. The slope ∂ log g_i/∂inv_tau_i = Σ_j p_ij ℓ̂_ij is computed only `with_slope` (zeros otherwise)
-    and not differentiable: `passes.linear_in_inv_tau` puts the dependence on τ back. Differentiable in the four
-    feature sets."""
+    and with `inv_tau_columns` also of the candidates over the anchors (d's columns; one process, offset 0), and d
+    itself (float32 or wider; the matrix backward keeps anyway, for a later pass over the same pairs, whose gradient
+    then joins this one's before the products). 1/τ is one constant per anchor ([b]); `negative_log_weight` (or None)
+    gives each direction's constant log-weights from its raw similarities. The slope ∂ log g_i/∂inv_tau_i =
+    Σ_j p_ij ℓ̂_ij is computed only `with_slope` (zeros otherwise) and not differentiable: `passes.linear_in_inv_tau`
+    puts the dependence on τ back. Differentiable in the four feature sets."""
 
     @staticmethod
     def forward(ctx, anchors, candidates, ref_anchors, ref_candidates, inv_tau, inv_tau_columns, negative_log_weight,
@@ -117,23 +120,28 @@ class _DenseLogMeanExp(torch.autograd.Function):
         ctx.save_for_backward(anchors, candidates, ref_anchors, ref_candidates, shifted, *stats[:2], *stats[3:5])
         ctx.rows, ctx.columns, ctx.offset = rows, columns, offset
         ctx.in_pass_log_weight = negative_log_weight if in_pass else None
+        ctx.set_materialize_grads(False)  # d unused afterwards must cost no b×B matrix of zeros in backward
         log_mean = math.log(shifted.shape[1] - 1)
         lse, _, slope = stats[:3]
         lse_columns, _, slope_columns = stats[3:] if columns is not None else (lse.new_empty(0),) * 3
         ctx.mark_non_differentiable(slope, slope_columns)
-        return lse - log_mean, slope, lse_columns - log_mean, slope_columns
+        return lse - log_mean, slope, lse_columns - log_mean, slope_columns, shifted
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, upstream, _slope, upstream_columns, _slope_columns):
+    def backward(ctx, upstream, _slope, upstream_columns, _slope_columns, upstream_d):
         anchors, candidates, ref_anchors, ref_candidates, shifted, *stats = ctx.saved_tensors
-        rows = (*ctx.rows, *stats[:2], upstream)
-        columns = None if ctx.columns is None else (*ctx.columns, *stats[2:4], upstream_columns)
+        def given(upstream, lse):  # an unused log g gets nothing: its upstream is zero
+            return torch.zeros_like(lse) if upstream is None else upstream
+
+        rows = (*ctx.rows, *stats[:2], given(upstream, stats[0]))
+        columns = None if ctx.columns is None else (*ctx.columns, *stats[2:4], given(upstream_columns, stats[2]))
         in_pass_args = ()
         if ctx.in_pass_log_weight is not None:  # the raw similarities again (d itself without a reference)
             in_pass_args = (_similarities(anchors, candidates, ref_anchors, shifted), ctx.in_pass_log_weight)
-        grad = passes.fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype, *in_pass_args)
+        grad = passes.fused(_gradient, shifted)(shifted, rows, columns, ctx.offset, anchors.dtype, upstream_d,
+                                                *in_pass_args)
         del in_pass_args
         needs = ctx.needs_input_grad
         grads = (product(grad, candidates).to(anchors.dtype) if needs[0] else None,
@@ -158,9 +166,13 @@ def log_mean_exp_rows(anchors, candidates, offset, inv_tau, ref_anchors=None, re
 
 
 def dense_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference=None,
-                    negative_log_weight=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    negative_log_weight=None, keep_pairs=False) -> Tuple[torch.Tensor, ...]:
     """(log g of the image anchors over the texts, log g of the text anchors over the images), holding b×B matrices
     (the contract in the module docstring). When the anchors are the whole batch (one process) the text direction's
-    matrix is the transpose of the image direction's: one product, one matrix and one gradient serve both."""
-    return passes.aggregate_with(_DenseLogMeanExp, image, text, all_image, all_text, offset, inv_tau_image,
-                                 inv_tau_text, reference, negative_log_weight)
+    matrix is the transpose of the image direction's: one product, one matrix and one gradient serve both. With
+    `keep_pairs`, also (d of the image anchors' rows, d of the text anchors' rows), each [b, B], differentiable (the
+    second a transposed view of the first in one process): another pass over the same pairs (the column step) reads
+    them instead of multiplying the features again, its gradient joining the aggregation's before its products."""
+    out = passes.aggregate_with(_DenseLogMeanExp, image, text, all_image, all_text, offset, inv_tau_image,
+                                inv_tau_text, reference, negative_log_weight)
+    return out if keep_pairs else out[:2]

@@ -124,35 +124,47 @@ def linear_in_inv_tau(value: torch.Tensor, slope: torch.Tensor, inv_tau: torch.T
     return value + slope * (inv_tau - inv_tau.detach())
 
 
+def _rows_with(function, anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates, negative_log_weight,
+               *options):
+    """(log g, the pairwise matrix d it was computed from or None) of `log_mean_exp_rows_with`'s arguments."""
+    inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
+    with autocast_disabled(anchors.device):
+        log_g, slope, _, _, *kept = function.apply(anchors, candidates, ref_anchors, ref_candidates,
+                                                   per_row(inv_tau, anchors), None, negative_log_weight, int(offset),
+                                                   inv_tau.requires_grad, *options)
+    return linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype)), (kept[0] if kept else None)
+
+
 def log_mean_exp_rows_with(function, anchors, candidates, offset, inv_tau, ref_anchors=None, ref_candidates=None,
                            negative_log_weight=None, *options) -> torch.Tensor:
     """log g of the anchors over the candidates through an aggregation's autograd `function` (dense or tiled, given
     its own `options` after the common arguments), differentiable in `inv_tau` (a number, 0-dim, [1] or [b])."""
-    inv_tau = torch.as_tensor(inv_tau, device=anchors.device)
-    with autocast_disabled(anchors.device):
-        log_g, slope, _, _ = function.apply(anchors, candidates, ref_anchors, ref_candidates, per_row(inv_tau, anchors),
-                                            None, negative_log_weight, int(offset), inv_tau.requires_grad, *options)
-    return linear_in_inv_tau(log_g, slope, inv_tau.to(log_g.dtype))
+    return _rows_with(function, anchors, candidates, offset, inv_tau, ref_anchors, ref_candidates,
+                      negative_log_weight, *options)[0]
 
 
 def aggregate_with(function, image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, reference,
                    negative_log_weight, *options):
     """The `aggregate` contract (`dense.py`'s docstring) through an aggregation's autograd `function`: each direction
     on its own; or, when the anchors are the whole batch (one process), both from one pass over one matrix, the text
-    direction's being the transpose of the image direction's."""
+    direction's being the transpose of the image direction's. Returns (log g image, log g text, pairs): `pairs` =
+    (d of the image anchors' rows, d of the text anchors' rows), each [b, B] and differentiable, where `function`
+    keeps its whole matrix (the dense one; the second a transposed view of the first in one process), else None."""
     ref_image, ref_text, all_ref_image, all_ref_text = reference if reference is not None else (None,) * 4
     if not (image is all_image and text is all_text):
-        return (log_mean_exp_rows_with(function, image, all_text, offset, inv_tau_image, ref_image, all_ref_text,
-                                       negative_log_weight, *options),
-                log_mean_exp_rows_with(function, text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
-                                       negative_log_weight, *options))
+        log_g_image, pairs_image = _rows_with(function, image, all_text, offset, inv_tau_image, ref_image,
+                                              all_ref_text, negative_log_weight, *options)
+        log_g_text, pairs_text = _rows_with(function, text, all_image, offset, inv_tau_text, ref_text, all_ref_image,
+                                            negative_log_weight, *options)
+        return log_g_image, log_g_text, (None if pairs_image is None else (pairs_image, pairs_text))
     inv_tau_image, inv_tau_text = (torch.as_tensor(t, device=image.device) for t in (inv_tau_image, inv_tau_text))
     with autocast_disabled(image.device):
-        log_g_image, slope_image, log_g_text, slope_text = function.apply(
+        log_g_image, slope_image, log_g_text, slope_text, *kept = function.apply(
             image, text, ref_image, ref_text, per_row(inv_tau_image, image), per_row(inv_tau_text, text),
             negative_log_weight, int(offset), inv_tau_image.requires_grad or inv_tau_text.requires_grad, *options)
     return (linear_in_inv_tau(log_g_image, slope_image, inv_tau_image.to(log_g_image.dtype)),
-            linear_in_inv_tau(log_g_text, slope_text, inv_tau_text.to(log_g_text.dtype)))
+            linear_in_inv_tau(log_g_text, slope_text, inv_tau_text.to(log_g_text.dtype)),
+            (kept[0], kept[0].T) if kept else None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,11 +29,12 @@ def autocast_disabled(device: torch.device):
 
 def without_autocast(backward):
     """Decorator of a hand-written autograd backward: it may run inside the caller's autocast region, and chooses
-    its dtypes itself."""
+    its dtypes itself. Some upstream gradients may be None (a function that does not materialise them)."""
     @functools.wraps(backward)
-    def wrapped(ctx, grad, *grads):
-        with autocast_disabled(grad.device):
-            return backward(ctx, grad, *grads)
+    def wrapped(ctx, *grads):
+        given = [g for g in grads if g is not None]
+        with autocast_disabled(given[0].device) if given else contextlib.nullcontext():
+            return backward(ctx, *grads)
     return wrapped
 
 

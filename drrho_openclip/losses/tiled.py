@@ -314,7 +314,7 @@ def tiled_aggregate(image, text, all_image, all_text, offset, inv_tau_image, inv
     _check_inputs(image, all_text, offset, torch.as_tensor(inv_tau_image), ref_image, all_ref_text, tile_size)
     _check_inputs(text, all_image, offset, torch.as_tensor(inv_tau_text), ref_text, all_ref_image, tile_size)
     return passes.aggregate_with(_TiledLogMeanExp, image, text, all_image, all_text, offset, inv_tau_image,
-                                 inv_tau_text, reference, negative_log_weight, tile_size)
+                                 inv_tau_text, reference, negative_log_weight, tile_size)[:2]
 
 
 def make_tiled_aggregate(tile_size: int = DEFAULT_TILE_SIZE) -> Callable:
