@@ -2,7 +2,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 echo "== gpu_check: the column step over the core's matrix"
-timeout 70 python3 benchmarks/gpu_check.py --out $OUT/gpu_check_pairs --only aggregation/column two-ranks/drrho \
+timeout 70 python3 benchmarks/gpu_check.py --out $OUT/gpu_check_pairs --only aggregation/column two-ranks/drrho-s \
     2>&1 | grep -v -i "warn" | grep -v '^ *check($'
 echo "gpu_check rc $?"
 echo "== loss time and memory"
