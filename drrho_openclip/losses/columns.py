@@ -136,9 +136,9 @@ def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, lo
     """[b]: for each of this rank's samples, the image anchors' column of its text plus the text anchors' column of
     its image (C_j above, each with its direction's τ and u). `shift`: the α-scaled reference features (ref_image,
     ref_text, all_ref_image, all_ref_text) or None; `log_u_*`: this rank's anchors' log u; `log_eps`: log ε;
-    `offset`: this rank's first sample in the global batch. `pairs`: the dense core's (d of the image anchors' rows, d of the text anchors' rows) of the same features and
-    shift (`dense_aggregate(keep_pairs=True)`), read instead of multiplying the features; else `rows` > 0 multiplies
-    them that many rows at a time."""
+    `offset`: this rank's first sample in the global batch. `pairs`: the dense core's (d of the image anchors' rows,
+    d of the text anchors' rows) of the same features and shift (`dense_aggregate(keep_pairs=True)`), read instead of
+    multiplying the features; else `rows` > 0 multiplies them that many rows at a time."""
     if tau_image.dim() or tau_text.dim():
         raise ValueError("the column step needs a global temperature (each column mixes every anchor's τ)")
     device = image.device

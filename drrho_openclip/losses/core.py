@@ -257,7 +257,7 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             tau_image, tau_text = self._temperatures(logit_scale, index, image, text, shift, accum_step)
             inv_tau_image, inv_tau_text = 1.0 / tau_image, 1.0 / tau_text
             aggregate_args = (image, text, all_image, all_text, offset, inv_tau_image, inv_tau_text, shift,
-                          self.negative_log_weight)
+                              self.negative_log_weight)
             if self.column_step and self.aggregate is dense_aggregate:  # the column step reads the core's d
                 log_g_image, log_g_text, pairs = dense_aggregate(*aggregate_args, keep_pairs=True)
             else:

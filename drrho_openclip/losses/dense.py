@@ -132,6 +132,7 @@ class _DenseLogMeanExp(torch.autograd.Function):
     @without_autocast
     def backward(ctx, upstream, _slope, upstream_columns, _slope_columns, upstream_d):
         anchors, candidates, ref_anchors, ref_candidates, shifted, *stats = ctx.saved_tensors
+
         def given(upstream, lse):  # an unused log g gets nothing: its upstream is zero
             return torch.zeros_like(lse) if upstream is None else upstream
 
