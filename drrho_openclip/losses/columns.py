@@ -73,17 +73,21 @@ def _gradient(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, dtype
 
 
 class _ColumnLogSumExp(torch.autograd.Function):
-    """Per row j of d = rows·candidatesᵀ: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)) over the candidates k;
-    with `transposed` = (inv_tau, log ε + u) of the other direction, also per column of d, over its rows (one process:
-    the other direction's matrix is dᵀ, its anchors d's rows). Row j's own pair is column offset + j. Differentiable in
-    the features and the positives; backward recomputes d (the step keeps no b×B matrix)."""
+    """Per row j of d: log Σ_k exp((d_jk − d_kk)·inv_tau − log(ε + u_k)) over the candidates k; with `transposed` =
+    (inv_tau, log ε + u) of the other direction, also per column of d, over its rows (one process: the other
+    direction's matrix is dᵀ, its anchors d's rows). Row j's own pair is column offset + j. d is either `pairs`, a
+    matrix the dense core already holds, read and never written (backward returns ∂/∂d in d's dtype, which the core
+    adds to its own gradient of d before its products with the features), or, with `pairs` None, rows·candidatesᵀ,
+    multiplied here and again in backward (the step keeps no b×B matrix; backward returns the features' gradients).
+    Differentiable in those and in the positives."""
 
     @staticmethod
-    def forward(ctx, rows, candidates, positives, inv_tau, log_eps_u, transposed, offset):
-        with autocast_disabled(rows.device):
-            d = product(rows, candidates.T)
-            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed, True)
-        ctx.save_for_backward(rows, candidates, positives, *out)
+    def forward(ctx, rows, candidates, pairs, positives, inv_tau, log_eps_u, transposed, offset):
+        own = pairs is None
+        with autocast_disabled(positives.device):
+            d = product(rows, candidates.T) if own else pairs
+            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed, own)
+        ctx.save_for_backward(rows, candidates, pairs, positives, *out)
         ctx.inv_tau, ctx.log_eps_u, ctx.transposed, ctx.offset = inv_tau, log_eps_u, transposed, offset
         return out if transposed is not None else out[0]
 
@@ -91,43 +95,24 @@ class _ColumnLogSumExp(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx, *upstream):
-        rows, candidates, positives, *lse = ctx.saved_tensors
-        d = product(rows, candidates.T)
+        rows, candidates, pairs, positives, *lse = ctx.saved_tensors
+        own = pairs is None
+        d = product(rows, candidates.T) if own else pairs
         grad, grad_positives = passes.fused(_gradient, d)(d, positives, ctx.inv_tau, ctx.log_eps_u, ctx.transposed,
-                                                           lse, upstream, rows.dtype, True, ctx.offset)
+                                                           lse, upstream, rows.dtype if own else d.dtype, own,
+                                                           ctx.offset)
         del d
-        return (product(grad, candidates).to(rows.dtype), product(grad.T, rows).to(candidates.dtype),
-                grad_positives, None, None, None, None)
-
-
-class _ColumnLogSumExpOfPairs(torch.autograd.Function):
-    """`_ColumnLogSumExp` of a matrix d the dense core already holds (the rows' products with the candidates), read and
-    never written: no product here. Backward returns ∂/∂d in d's dtype (float32 or wider), which the core adds to its
-    own gradient of d before its products with the features."""
-
-    @staticmethod
-    def forward(ctx, d, positives, inv_tau, log_eps_u, transposed, offset):
-        with autocast_disabled(d.device):
-            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed, False)
-        ctx.save_for_backward(d, positives, *out)
-        ctx.inv_tau, ctx.log_eps_u, ctx.transposed, ctx.offset = inv_tau, log_eps_u, transposed, offset
-        return out if transposed is not None else out[0]
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @without_autocast
-    def backward(ctx, *upstream):
-        d, positives, *lse = ctx.saved_tensors
-        grad, grad_positives = passes.fused(_gradient, d)(d, positives, ctx.inv_tau, ctx.log_eps_u, ctx.transposed,
-                                                           lse, upstream, d.dtype, False, ctx.offset)
-        return grad, grad_positives, None, None, None, None
+        features = ((product(grad, candidates).to(rows.dtype), product(grad.T, rows).to(candidates.dtype)) if own
+                    else (None, None))
+        return (*features, None if own else grad, grad_positives, None, None, None, None)
 
 
 def _log_column_sums(rows, candidates, positives, inv_tau, log_eps_u, offset, block_rows):
     """`_ColumnLogSumExp` of all rows, `block_rows` at a time (0: all at once)."""
     if not block_rows or block_rows >= rows.shape[0]:
-        return _ColumnLogSumExp.apply(rows, candidates, positives, inv_tau, log_eps_u, None, offset)
-    return torch.cat([_ColumnLogSumExp.apply(block, candidates, positives, inv_tau, log_eps_u, None, offset + start)
+        return _ColumnLogSumExp.apply(rows, candidates, None, positives, inv_tau, log_eps_u, None, offset)
+    return torch.cat([_ColumnLogSumExp.apply(block, candidates, None, positives, inv_tau, log_eps_u, None,
+                                             offset + start)
                       for start, block in zip(range(0, rows.shape[0], block_rows), rows.split(block_rows))])
 
 
@@ -156,17 +141,18 @@ def column_step(image, text, all_image, all_text, shift, tau_image, tau_text, lo
     if pairs is not None and world_size == 1:
         # the image anchors' d_ik (rows: this process's images) is the text anchors' d transposed: its rows are the
         # text anchors' columns, its columns the image anchors'
-        over_texts, over_images = _ColumnLogSumExpOfPairs.apply(
-            pairs[0], positives, inv_tau_text, log_eps_u(log_u_text), (inv_tau_image, log_eps_u(log_u_image)), 0)
+        over_texts, over_images = _ColumnLogSumExp.apply(
+            None, None, pairs[0], positives, inv_tau_text, log_eps_u(log_u_text),
+            (inv_tau_image, log_eps_u(log_u_image)), 0)
     elif pairs is not None:  # the text anchors' rows are this rank's texts against every image anchor, and back
-        over_images = _ColumnLogSumExpOfPairs.apply(pairs[1], positives, inv_tau_image, log_eps_u(log_u_image), None,
-                                                    offset)
-        over_texts = _ColumnLogSumExpOfPairs.apply(pairs[0], positives, inv_tau_text, log_eps_u(log_u_text), None,
-                                                   offset)
+        over_images = _ColumnLogSumExp.apply(None, None, pairs[1], positives, inv_tau_image, log_eps_u(log_u_image),
+                                             None, offset)
+        over_texts = _ColumnLogSumExp.apply(None, None, pairs[0], positives, inv_tau_text, log_eps_u(log_u_text),
+                                            None, offset)
     elif world_size == 1 and not 0 < rows < image.shape[0]:
         # the text anchors' d_ik = image_i·text_k − α ref_image_i·ref_text_k is the same d, transposed
         over_images, over_texts = _ColumnLogSumExp.apply(
-            _joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1), positives, inv_tau_image,
+            _joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1), None, positives, inv_tau_image,
             log_eps_u(log_u_image), (inv_tau_text, log_eps_u(log_u_text)), 0)
     else:
         over_images = _log_column_sums(_joined(text, ref_text, 1), _joined(all_image, all_ref_image, -1), positives,
