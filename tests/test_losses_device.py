@@ -416,14 +416,16 @@ def test_compiled_passes_equal_the_eager_ones(monkeypatch, whole_batch, aggregat
 def test_compiled_column_step_equals_the_eager_one(monkeypatch, source):
     """The column step's passes (`passes.fused`, compiled on CUDA), compiled here for the CPU, give the eager values
     and gradients: over the dense core's own matrix (one process: both directions, its gradient through the core's
-    backward), over one product of its own for both directions, and over rows in blocks (the last one narrower),
-    each pass writing over the recomputed product."""
+    backward), over one product of its own for both directions, and over rows in blocks (the last one narrower);
+    eagerly each pass writes over its own product, and backward computes the gradient of d and of the positives
+    from one evaluation, compiled in two functions."""
     from drrho_openclip.losses import passes
     from drrho_openclip.losses.columns import column_step
     from drrho_openclip.losses.dense import dense_aggregate
 
-    def run(fused):
+    def run(fused, compiles):
         monkeypatch.setattr(passes, 'fused', fused)
+        monkeypatch.setattr(passes, 'compiles_for', lambda device: compiles)
         image, text, ref_image, ref_text = batch('cpu', n=10, d=8)
         shift = (ref_image, ref_text, ref_image, ref_text)
         pairs = None
@@ -435,8 +437,8 @@ def test_compiled_column_step_equals_the_eager_one(monkeypatch, source):
         total = (out * torch.linspace(-1.0, 2.0, 10)).sum()
         return [out.detach(), *torch.autograd.grad(total, (image, text))]
 
-    eager = run(lambda fn, block: fn)
-    compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True))  # fullgraph: no graph break
+    eager = run(lambda fn, block: fn, compiles=False)
+    compiled = run(lambda fn, block: torch.compile(fn, fullgraph=True), compiles=True)  # fullgraph: no graph break
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

@@ -45,31 +45,58 @@ def _exponents(product_, positives, inv_tau, log_eps_u, dim, in_place=False):
 
 
 # the passes over d, compiled on CUDA as the core's are (passes.fused): forward's log-sum-exps, backward's gradient;
-# with `own` each overwrites d (a product of the step's own, dropped after), else d is only read (the core's)
+# with `in_place` they overwrite d (eager, a product of the step's own, dropped after), else d is only read (the
+# core's d; and compiled, where an overwritten input would be written back to memory for nothing)
 
-def _log_sums(d, positives, inv_tau, log_eps_u, transposed, own):
+def _log_sums(d, positives, inv_tau, log_eps_u, transposed, in_place):
     """log Σ_k of each row's exponents, and with `transposed` = (inv_tau, log ε + u) of each column's over its rows."""
     if transposed is None:
-        return (torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1, in_place=own), dim=1),)
+        return (torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1, in_place), dim=1),)
     rows = torch.logsumexp(_exponents(d, positives, inv_tau, log_eps_u, 1), dim=1)
-    return rows, torch.logsumexp(_exponents(d, positives, *transposed, 0, in_place=own), dim=0)
+    return rows, torch.logsumexp(_exponents(d, positives, *transposed, 0, in_place), dim=0)
 
 
-def _gradient(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, dtype, own, offset):
-    """(∂/∂d in `dtype`, ∂/∂positives): row j's softmax times upstream_j·inv_tau, each d_jk − d_kk of column k
-    subtracting the positive d_kk; with `transposed`, column k's softmax too, each d_jk − d_jj subtracting d_jj.
-    Row j's own pair (column offset + j) gets 0 on both sides: its exponent d_jj − d_jj is constant, and its two
-    equal and opposite terms (often d's largest gradient entries) would otherwise cancel only after rounding."""
-    grad = _exponents(d, positives, inv_tau, log_eps_u, 1, in_place=own and transposed is None)
-    grad = passes.set_positives(grad.sub_(lse[0][:, None]).exp_().mul_((upstream[0] * inv_tau)[:, None]), offset, 0.0)
-    grad_positives = -grad.sum(0)
-    if transposed is not None:
-        other = _exponents(d, positives, *transposed, 0, in_place=own)
-        other = passes.set_positives(other.sub_(lse[1][None, :]).exp_().mul_((upstream[1] * transposed[0])[None, :]),
-                                     offset, 0.0)
-        grad_positives = grad_positives - other.sum(1)
-        grad.add_(other)
-    return grad.to(dtype), grad_positives
+def _softmaxes(d, positives, inv_tau, log_eps_u, transposed, lse, upstream, offset, in_place):
+    """Row j's softmax times upstream_j·inv_tau, and with `transposed` column k's times upstream_k·inv_tau_k (else
+    None): ∂/∂d of the rows' and of the columns' log-sum-exps, each d_jk − d_kk of a row subtracting the positive of
+    its column (d_kk, `positives`), of a column the positive of its row. Row j's own pair (column offset + j) gets 0:
+    its exponent d_jj − d_jj is constant, and its two equal and opposite terms (often d's largest gradient entries)
+    would otherwise cancel only after rounding."""
+    rows = _exponents(d, positives, inv_tau, log_eps_u, 1, in_place and transposed is None)
+    rows = passes.set_positives(rows.sub_(lse[0][:, None]).exp_().mul_((upstream[0] * inv_tau)[:, None]), offset, 0.0)
+    if transposed is None:
+        return rows, None
+    columns = _exponents(d, positives, *transposed, 0, in_place)
+    columns = passes.set_positives(columns.sub_(lse[1][None, :]).exp_().mul_((upstream[1] * transposed[0])[None, :]),
+                                   offset, 0.0)
+    return rows, columns
+
+
+def _positives_gradient(*softmaxes_args):
+    """∂/∂positives: minus each column's sum of the rows' part, and each row's sum of the columns' part."""
+    rows, columns = _softmaxes(*softmaxes_args)
+    return -rows.sum(0) if columns is None else -rows.sum(0) - columns.sum(1)
+
+
+def _pairs_gradient(*softmaxes_args, dtype):
+    """∂/∂d in `dtype`."""
+    rows, columns = _softmaxes(*softmaxes_args)
+    return (rows if columns is None else rows + columns).to(dtype)
+
+
+def _gradient(d, *softmaxes_args, dtype):
+    """(∂/∂d in `dtype`, ∂/∂positives). Eagerly from one evaluation of the softmaxes. Compiled, one function that
+    returns both keeps the two softmaxes as b×B buffers (each read by a reduction and by the gradient), so the two
+    are separate functions there, keeping only the gradient at the price of one more read of d."""
+    if passes.compiles_for(d.device):
+        return (passes.fused(_pairs_gradient, d)(d, *softmaxes_args, dtype=dtype),
+                passes.fused(_positives_gradient, d)(d, *softmaxes_args))
+    rows, columns = _softmaxes(d, *softmaxes_args)
+    positives = -rows.sum(0)
+    if columns is not None:
+        positives = positives - columns.sum(1)
+        rows.add_(columns)
+    return rows.to(dtype), positives
 
 
 class _ColumnLogSumExp(torch.autograd.Function):
@@ -86,7 +113,8 @@ class _ColumnLogSumExp(torch.autograd.Function):
         own = pairs is None
         with autocast_disabled(positives.device):
             d = product(rows, candidates.T) if own else pairs
-            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed, own)
+            in_place = own and not passes.compiles_for(d.device)
+            out = passes.fused(_log_sums, d)(d, positives, inv_tau, log_eps_u, transposed, in_place)
         ctx.save_for_backward(rows, candidates, pairs, positives, *out)
         ctx.inv_tau, ctx.log_eps_u, ctx.transposed, ctx.offset = inv_tau, log_eps_u, transposed, offset
         return out if transposed is not None else out[0]
@@ -98,9 +126,9 @@ class _ColumnLogSumExp(torch.autograd.Function):
         rows, candidates, pairs, positives, *lse = ctx.saved_tensors
         own = pairs is None
         d = product(rows, candidates.T) if own else pairs
-        grad, grad_positives = passes.fused(_gradient, d)(d, positives, ctx.inv_tau, ctx.log_eps_u, ctx.transposed,
-                                                           lse, upstream, rows.dtype if own else d.dtype, own,
-                                                           ctx.offset)
+        in_place = own and not passes.compiles_for(d.device)
+        grad, grad_positives = _gradient(d, positives, ctx.inv_tau, ctx.log_eps_u, ctx.transposed, lse, upstream,
+                                         ctx.offset, in_place, dtype=rows.dtype if own else d.dtype)
         del d
         features = ((product(grad, candidates).to(rows.dtype), product(grad.T, rows).to(candidates.dtype)) if own
                     else (None, None))
