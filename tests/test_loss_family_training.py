@@ -19,6 +19,7 @@ CONFIGS = {
     'tempnet+shift': ('--loss', 'tempnet', '--reference-shift', '{ref}'),
     'adnce': ('--loss', 'adnce'),
     'balanced': ('--loss', 'balanced', '--balance-steps', '3'),
+    'balanced+shift+kd': ('--loss', 'balanced', '--reference-shift', '--distill-weight', '0.5', '{ref}'),
     'jest': ('--loss', 'jest', '--selection-ratio', '0.5', '{ref}'),
     'jest-topk': ('--loss', 'jest-topk', '--selection-ratio', '0.5', '{ref}'),
 }

@@ -42,6 +42,7 @@ SCENARIOS = {
     'adnce': ('adnce', dict(adnce_sigma=0.3), (0,)),
     'balanced2': ('balanced', dict(balance_steps=2), (0,)),
     'balanced3': ('balanced', dict(balance_steps=3, reference_shift=True), (0,)),
+    'balanced+kd': ('balanced', dict(balance_steps=2, reference_shift=True, distill_weight=0.4), (0, 0)),
     # the teacher's scale calibrated on the gathered first batch ('auto'), then kept
     'clip+kd': ('clip', dict(distill_weight=0.4), (0, 0)),
     # the reference's scale given, as test_jest_selection_is_global's float64 reference takes it
@@ -51,10 +52,10 @@ SCENARIOS = {
     # apart (PAIRED_REFERENCE), so the scale lies inside its range and one rank's half would calibrate another
     'jest-auto': ('jest', dict(selection_ratio=0.5, num_chunks=2), (0, 0)),
 }
-# Scenarios whose reference text features are their reference images' plus noise: a calibrated teacher scale of 15.8
-# on the whole of step 0's batch, 100 and 16.3 on the ranks' halves. Elsewhere the reference's pairs are independent
+# Scenarios whose reference text features are their reference images' plus noise (jest-auto: a calibrated scale of 15.8
+# on the whole of step 0's batch, 100 and 16.3 on the ranks' halves). Elsewhere the reference's pairs are independent
 # draws, no better than chance: the scale sits at its lower bound 1 whatever rows it is calibrated on.
-PAIRED_REFERENCE = {'jest-auto'}
+PAIRED_REFERENCE = {'jest-auto', 'balanced+kd'}
 
 
 def full_batch(step, scenario=None):

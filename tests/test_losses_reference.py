@@ -644,6 +644,25 @@ def test_balanced(k, with_ref):
         assert_close(out, ClipLoss()(image, text, logit_scale))
 
 
+@pytest.mark.parametrize('with_ref', [False, True])
+def test_balanced_distillation(with_ref):
+    """balanced with distill_weight λ: (1−λ)·L^(k) + λ·KD, the student at the loss's scale, the teacher at its own."""
+    g = torch.Generator().manual_seed(21)
+    image, text, ref_image, ref_text = batch(g, 7)
+    logit_scale = torch.tensor(11.0, **F64, requires_grad=True)
+    lam, teacher = 0.4, 30.0
+    out = create_loss('balanced', balance_steps=2, reference_shift=with_ref, distill_weight=lam,
+                      reference_logit_scale=teacher)(image, text, logit_scale, ref_image_features=ref_image,
+                                                     ref_text_features=ref_text, output_dict=True)
+    refs = (ref_image, ref_text) if with_ref else ()
+    want_c = (1 - lam) * balanced_reference(image, text, logit_scale, 2, *refs)
+    want_d = lam * kd_reference(image, text, ref_image, ref_text, logit_scale, teacher)
+    assert_close(out['contrastive_loss'], want_c)
+    assert_close(out['distill_loss'], want_d)
+    wrt = (image, text, logit_scale)
+    assert_close(grads(sum(out.values()), wrt), grads(want_c + want_d, wrt))
+
+
 @pytest.mark.parametrize('k', [2, 3])
 def test_balanced_in_float32_at_a_large_batch(k):
     """Float32 at batch 2048: the value and every gradient within 1e-5 of float64, the temperature's too (a sum of

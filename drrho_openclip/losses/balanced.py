@@ -20,6 +20,9 @@ compiled on CUDA like the DRO core's (`passes.fused`), instead of autograd keepi
 When one process holds the whole batch, the text rows' matrix is the image rows' transposed: both branches run over
 the one matrix, the text branch normalising its columns first, and their gradients are summed in place.
 
+With `distill_weight` λ > 0: (1 − λ) L^(k) + λ KD, MobileCLIP's distillation from the reference model
+(`distill.py`) with the student at the loss's own scale 1/τ, as `clip` with λ does (not in the balancing paper).
+
 Distributed: rows are this rank's anchors, columns the global batch (the features gathered with gradient); a
 column step's log-sum-exp runs over all ranks' rows, so its normaliser is combined over ranks in forward and the
 sums that backward subtracts along it are summed over ranks: value and gradients equal the global loss's.
@@ -30,7 +33,8 @@ from torch import nn
 from . import passes
 from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, fixed_within_window
 from .collectives import all_reduce, gather_batch
-from .precision import autocast_disabled, pairwise_dtype, product, similarities, without_autocast
+from .distill import ReferenceLogitScale, check_distill_weight, distillation_loss
+from .precision import at_least_float32, autocast_disabled, pairwise_dtype, product, similarities, without_autocast
 
 # the dimension a half-step's log-sum-exp runs over: along each row (a row's normaliser), down each column
 ROWS, COLUMNS = 1, 0
@@ -197,14 +201,17 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
 
     compiles_passes = True  # its half-steps' passes, where `compiles_for` the device
 
-    def __init__(self, temperature: nn.Module, steps: int = 2, reference_shift: bool = False, rank: int = 0,
-                 world_size: int = 1):
+    def __init__(self, temperature: nn.Module, steps: int = 2, reference_shift: bool = False,
+                 distill_weight: float = 0.0, teacher_logit_scale='auto', rank: int = 0, world_size: int = 1):
         super().__init__()
         if steps < 1:
             raise ValueError(f"the balanced loss needs balance_steps ≥ 1 (1 = CLIP), got {steps}")
         self.temperature = temperature
         self.steps = steps
         self.reference_shift = reference_shift
+        self.distill_weight = check_distill_weight(distill_weight)
+        if distill_weight > 0:
+            self.teacher_logit_scale = ReferenceLogitScale(teacher_logit_scale, world_size)
         self.rank = rank
         self.world_size = world_size
         self._last = {}
@@ -213,6 +220,8 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                 ref_text_features=None, accum_step=None, output_dict=False, **_):
         if self.reference_shift:
             self.require_reference(ref_image_features, ref_text_features, "shifts by the reference model")
+        elif self.distill_weight > 0:
+            self.require_reference(ref_image_features, ref_text_features, "distills from the reference model")
         check_eval_call(self, accum_step)
         device = image_features.device
         # the products in autocast's 16-bit dtype, or the features' own; everything elementwise in float32
@@ -226,12 +235,13 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
             sim_image = similarities(image, all_text)
             sim_text = None if whole_batch else similarities(text, all_image)
             tau = fixed_within_window(self.temperature(logit_scale=logit_scale)[0].to(sim_image.dtype), accum_step)
-            if self.reference_shift:
+            if self.reference_shift or self.distill_weight > 0:
                 ref_image, ref_text = ref_image_features.to(dtype), ref_text_features.to(dtype)
+                all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False, device=device)
                 all_ref_text = gather_batch(ref_text, self.world_size, with_grad=False, device=device)
+            if self.reference_shift:
                 sim_image = sim_image.sub_(product(ref_image, all_ref_text.T))
                 if not whole_batch:
-                    all_ref_image = gather_batch(ref_image, self.world_size, with_grad=False, device=device)
                     sim_text = sim_text.sub_(product(ref_text, all_ref_image.T))
             inv_tau = 1 / tau.reshape(())
             offset = self.rank * sim_image.shape[0]
@@ -248,4 +258,16 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                     positives = (sim_image.diagonal(offset) + sim_text.diagonal(offset)) * inv_tau
                     clip = -(positives - lse_image - lse_text).mean() / 2
                 self._last = {'clip_loss': clip, 'tau': tau.detach()}
-        return {'contrastive_loss': loss} if output_dict else loss
+            losses = {'contrastive_loss': loss}
+            if self.distill_weight > 0:
+                # KD's softmaxes over the logits s·S need float32 products (s = 1/τ scales their rounding)
+                image, text, all_image, all_text, ref_image, ref_text, all_ref_image, all_ref_text = (
+                    at_least_float32(x) for x in (image, text, all_image, all_text, ref_image, ref_text,
+                                                  all_ref_image, all_ref_text))
+                teacher_scale = self.teacher_logit_scale(ref_image, ref_text)
+                kd = distillation_loss((image, text), (all_image, all_text), (ref_image, ref_text),
+                                       (all_ref_image, all_ref_text), inv_tau, teacher_scale.to(ref_image.dtype))
+                losses = {'contrastive_loss': (1 - self.distill_weight) * loss, 'distill_loss': self.distill_weight * kd}
+                if self.training:
+                    self._last.update(distill=kd.detach(), teacher_logit_scale=teacher_scale)
+        return losses if output_dict else sum(losses.values())

@@ -53,7 +53,8 @@ ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'target_negatives', 'eps
 # with a global τ and no weights of their own on the candidates
 COLUMN_OPTIONS = dict(column_step=False)
 
-# MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip and drrho
+# MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip, drrho and
+# balanced
 DISTILL_OPTIONS = dict(
     distill_weight=0.0,           # λ: (1−λ)·contrastive + λ·KD; the paper's λ is 0 with the weak ViT-B/32 reference
     # the teacher's (reference model's) logit scale in KD, and JEST's: calibrated on the first batch (distill.py),
@@ -357,12 +358,15 @@ def adnce(o):
 @register_loss(
     'balanced', reference='optional',
     help="k-step balanced CLIP loss: k alternating Sinkhorn half-steps of the batch coupling (k = 1 is CLIP; "
-         "Liu et al., 2024)",
-    defaults=dict(learn_temperature=True, temperature=0.07, balance_steps=2, reference_shift=False))
+         "Liu et al., 2024); with distill_weight > 0, plus KD from the reference model",
+    defaults=dict(learn_temperature=True, temperature=0.07, balance_steps=2, reference_shift=False,
+                  **DISTILL_OPTIONS),
+    inactive=_distill_inactive)
 def balanced(o):
     _check_number(o, 'temperature', "the logit scale's start, or the fixed τ")
     temperature = LogitScaleTemperature() if o.learn_temperature else FixedTemperature(o.temperature)
-    return BalancedClipLoss(temperature, o.balance_steps, reference_shift=o.reference_shift, rank=o.rank,
+    return BalancedClipLoss(temperature, o.balance_steps, reference_shift=o.reference_shift,
+                            distill_weight=o.distill_weight, teacher_logit_scale=o.reference_logit_scale, rank=o.rank,
                             world_size=o.world_size)
 
 
