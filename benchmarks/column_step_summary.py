@@ -80,10 +80,15 @@ CELLS = [
     ('openclipart, 2048, pretrained ref., 192 steps',
      'openclipart_batch2048_pretrained_reference_192steps_column_step_deduplicated', 'drrho --column-step',
      'openclipart_batch2048_pretrained_reference_192steps_deduplicated', 'drrho',
-     'openclipart_batch2048_pretrained_reference_192steps_deduplicated', (1,)),    ('Fashion-MNIST, 4096, CLIP ref., 64 steps',
+     'openclipart_batch2048_pretrained_reference_192steps_deduplicated', (1,)),
+    ('Fashion-MNIST, 4096, CLIP ref., 64 steps',
      'fashion-mnist_batch4096_column_step', 'drrho',
      'fashion-mnist_batch4096_column_step', 'drrho --no-column-step',
      'fashion-mnist_batch4096', (1,)),
+    ('Fashion-MNIST, 8192, CLIP ref., 64 steps',
+     'fashion-mnist_batch8192_column_step', 'drrho',
+     'fashion-mnist_batch8192_reference_weight', 'drrho',
+     'fashion-mnist_batch8192', (1,)),
 ]
 
 
