@@ -242,8 +242,8 @@ def clip(o):
 # below it in six (down to 0.78× with a reference no better than the target), at zero-shot top-1 still above `clip`
 # by 4 points on average (docs/defaults.md, "Reference weight"; two rules fitting α to each batch from the learner's
 # agreement with the reference were measured there too, and lost to this constant). The column half-step: above the
-# DRO without it by more than a standard error in 12 of 20 cells, level within one in 7, below in one (512 pairs for
-# 90 epochs, -0.34 +- 0.30); 1.04-1.95x `clip`'s recall on openclipart with a pretrained reference against
+# DRO without it by more than a standard error in 12 of 22 cells, level within one in 8, below in two (512 pairs for
+# 90 epochs, -0.34 +- 0.30; Fashion-MNIST at 8192, -0.23 +- 0.08, top-1 +1.4); 1.04-1.95x `clip`'s recall on openclipart with a pretrained reference against
 # 0.97-1.04x without it (docs/defaults.md, "A column half-step in the DRO")
 DRRHO_OPTIONS = dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, reference_weight=0.25,
                      **DISTILL_OPTIONS, column_step=True)
