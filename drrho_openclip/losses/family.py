@@ -243,8 +243,9 @@ def clip(o):
 # by 4 points on average (docs/defaults.md, "Reference weight"; two rules fitting α to each batch from the learner's
 # agreement with the reference were measured there too, and lost to this constant). The column half-step: above the
 # DRO without it by more than a standard error in 12 of 22 cells, level within one in 8, below in two (512 pairs for
-# 90 epochs, -0.34 +- 0.30; Fashion-MNIST at 8192, -0.23 +- 0.08, top-1 +1.4); 1.04-1.95x `clip`'s recall on openclipart with a pretrained reference against
-# 0.97-1.04x without it (docs/defaults.md, "A column half-step in the DRO")
+# 90 epochs, -0.34 +- 0.30; Fashion-MNIST at 8192, -0.23 +- 0.08, top-1 +1.4); 1.04-1.95x `clip`'s recall on
+# openclipart with a pretrained reference against 0.97-1.04x without it (docs/defaults.md, "A column half-step in
+# the DRO")
 DRRHO_OPTIONS = dict(DRO_OPTIONS, temperature=0.07, learn_temperature=True, epsilon=1e-4, reference_weight=0.25,
                      **DISTILL_OPTIONS, column_step=True)
 # The paper's main setting, one --loss away: the full RHO shift at a fixed τ = 0.01 (seed 001: most of its §6 runs, at
