@@ -33,8 +33,8 @@ from torch import nn
 from . import passes
 from .base import LastCallMetrics, ReferenceFeatures, check_eval_call, fixed_within_window
 from .collectives import all_reduce, gather_batch
-from .distill import ReferenceLogitScale, check_distill_weight, distillation_loss
-from .precision import at_least_float32, autocast_disabled, pairwise_dtype, product, similarities, without_autocast
+from .distill import ReferenceLogitScale, check_distill_weight, distill_from_reference
+from .precision import autocast_disabled, pairwise_dtype, product, similarities, without_autocast
 
 # the dimension a half-step's log-sum-exp runs over: along each row (a row's normaliser), down each column
 ROWS, COLUMNS = 1, 0
@@ -260,13 +260,9 @@ class BalancedClipLoss(ReferenceFeatures, LastCallMetrics, nn.Module):
                 self._last = {'clip_loss': clip, 'tau': tau.detach()}
             losses = {'contrastive_loss': loss}
             if self.distill_weight > 0:
-                # KD's softmaxes over the logits s·S need float32 products (s = 1/τ scales their rounding)
-                image, text, all_image, all_text, ref_image, ref_text, all_ref_image, all_ref_text = (
-                    at_least_float32(x) for x in (image, text, all_image, all_text, ref_image, ref_text,
-                                                  all_ref_image, all_ref_text))
-                teacher_scale = self.teacher_logit_scale(ref_image, ref_text)
-                kd = distillation_loss((image, text), (all_image, all_text), (ref_image, ref_text),
-                                       (all_ref_image, all_ref_text), inv_tau, teacher_scale.to(ref_image.dtype))
+                kd, teacher_scale = distill_from_reference(self.teacher_logit_scale,
+                                                           (image, text, all_image, all_text),
+                                                           (ref_image, ref_text, all_ref_image, all_ref_text), inv_tau)
                 losses = {'contrastive_loss': (1 - self.distill_weight) * loss, 'distill_loss': self.distill_weight * kd}
                 if self.training:
                     self._last.update(distill=kd.detach(), teacher_logit_scale=teacher_scale)

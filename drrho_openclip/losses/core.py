@@ -27,7 +27,7 @@ from .base import WINDOW_NOT_OPENED, ReferenceFeatures, check_eval_call, keep_in
 from .collectives import gather_batch
 from .columns import column_step
 from .dense import dense_aggregate
-from .distill import ReferenceLogitScale, check_distill_weight, distillation_loss
+from .distill import ReferenceLogitScale, check_distill_weight, distill_from_reference
 from .precision import at_least_float32, autocast_disabled, elementwise_dtype, pairwise_dtype
 from .state import (MovingAverageState, SampleSharding, check_index_shape, check_same_window,
                     missing_state_message, per_sample_tables)
@@ -301,13 +301,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
             if self.distill_weight > 0:
                 if tau_image.dim():
                     raise ValueError("distillation needs a global temperature (its student logit scale is 1/τ)")
-                # KD's softmaxes over the logits s·S need float32 products too (s = 1/τ scales their rounding)
-                ref_image, ref_text, all_ref_image, all_ref_text = (at_least_float32(x) for x in reference)
-                teacher_scale = self.teacher_logit_scale(ref_image, ref_text)
-                kd = distillation_loss((at_least_float32(image), at_least_float32(text)),
-                                       (at_least_float32(all_image), at_least_float32(all_text)),
-                                       (ref_image, ref_text), (all_ref_image, all_ref_text),
-                                       1.0 / tau_image, teacher_scale.to(ref_image.dtype), self.distill_rows)
+                kd, teacher_scale = distill_from_reference(self.teacher_logit_scale,
+                                                           (image, text, all_image, all_text), reference,
+                                                           1.0 / tau_image, self.distill_rows)
                 losses = {'contrastive_loss': (1 - self.distill_weight) * loss,
                           'distill_loss': self.distill_weight * tau_image.detach() * kd}
                 if self.training:

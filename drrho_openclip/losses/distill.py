@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .base import KeepsStatePrecision
 from .collectives import check_device, gather_batch
+from .precision import at_least_float32
 from .registry import AUTO
 from .temperatures import CHOICE_ANCHORS, first_anchor_similarities, log_bisection
 
@@ -72,6 +73,19 @@ def distillation_loss(anchors, candidates, ref_anchors, ref_candidates, logit_sc
     rows = len(image)
     return (direction(ref_image, all_ref_text, image, all_text) + direction(ref_text, all_ref_image, text, all_image)
             ) / (2 * rows)
+
+
+def distill_from_reference(teacher_logit_scale: nn.Module, features, reference, logit_scale, rows_per_chunk: int = 0):
+    """(KD, the teacher's scale) of a loss that adds KD to its own term: `features` = (image, text, all_image,
+    all_text), `reference` the same four of the reference model, the student at `logit_scale` (1/τ of the loss), the
+    teacher at `teacher_logit_scale` (a `ReferenceLogitScale`). KD's softmaxes over the logits s·S need at least
+    float32 products (s = 1/τ scales their rounding), whatever dtype the loss's own products take."""
+    image, text, all_image, all_text = (at_least_float32(x) for x in features)
+    ref_image, ref_text, all_ref_image, all_ref_text = (at_least_float32(x) for x in reference)
+    teacher_scale = teacher_logit_scale(ref_image, ref_text)
+    kd = distillation_loss((image, text), (all_image, all_text), (ref_image, ref_text), (all_ref_image, all_ref_text),
+                           logit_scale, teacher_scale.to(ref_image.dtype), rows_per_chunk)
+    return kd, teacher_scale
 
 
 def calibrated_logit_scale(ref_image: torch.Tensor, ref_text: torch.Tensor, max_anchors: int = CHOICE_ANCHORS,
