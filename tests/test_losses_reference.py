@@ -253,6 +253,35 @@ def test_reference_weight_scales_the_shift(alpha, tile_size):
     assert not torch.isclose(out, paper)  # α is not silently dropped
 
 
+@pytest.mark.parametrize('tile_size', [0, 4])
+@pytest.mark.parametrize('alpha', [0.0, ALPHA, 1.0])
+def test_positive_in_denominator_is_clips_loss_on_the_shifted_logits(alpha, tile_size):
+    """--positive-in-denominator: ε = 1/(B − 1), so that with γ = 1 each anchor's τ log(ε + g_i) is τ times CLIP's
+    cross-entropy over the logits z_ij = (s_ij − α s^ref_ij)/τ, less log(B − 1): the loss (both directions, summed) is
+    2τ (CLIP's loss on z − log(B − 1)), values and gradients in the features and in τ; dense and tiled alike, and the
+    same as the number ε = 1/(B − 1) given as --epsilon."""
+    n = 7
+    options = dict(gamma=1.0, rho=0.0, temperature=0.07, temperature_optimizer='model', reference_weight=alpha,
+                   tile_size=tile_size, column_step=False)
+    loss = create_loss('drrho', positive_in_denominator=True, **options)
+    image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(12), n)
+    logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
+    refs = dict(ref_image_features=ref_image, ref_text_features=ref_text)
+    out = loss(image, text, logit_scale, **refs)
+
+    tau = 1 / logit_scale
+    z = (image @ text.T - alpha * ref_image @ ref_text.T) / tau
+    labels = torch.arange(n)
+    clip = (F.cross_entropy(z, labels) + F.cross_entropy(z.T, labels)) / 2
+    want = 2 * tau * (clip - math.log(n - 1))
+    assert_close(out, want)
+    assert_close(grads(out, (image, text, logit_scale)), grads(want, (image, text, logit_scale)))
+    given = create_loss('drrho', epsilon=1 / (n - 1), **options)(image, text, logit_scale, **refs)
+    assert_close(out, given)
+    with pytest.raises(ValueError, match="epsilon"):  # the ε it replaces is not silently dropped
+        create_loss('drrho', positive_in_denominator=True, epsilon=1e-3, **options)
+
+
 def test_reference_weight_zero_reads_no_reference():
     """α = 0 is drrho's DRO unshifted (the ablation of the shift): a batch without reference features trains it, the
     same to the bit as with them, and its per-sample u is of the unshifted loss."""

@@ -40,14 +40,17 @@ DRO_OPTIONS = dict(
     tau_max=1.0,
     **RHO_OPTIONS,
     epsilon=1e-14,             # ε in log(ε + g)
+    # ε = 1/(B − 1) for the global batch B instead: the positive pair's own term exp(ℓ̂_ii/τ) = 1 joins the mean over
+    # the B − 1 negatives, so that with γ = 1 the DRO is CLIP's softmax cross-entropy over the (shifted) logits
+    positive_in_denominator=False,
     gamma=0.8,                 # SogCLR's final inner learning rate γ_min (1 = no per-sample u)
     gamma_decay_epochs=1,      # epochs of the cosine decay of γ from 1 to γ_min
     tile_size=0,               # columns per tile of the tiled core (memory linear in the batch); 0: untiled
     state_layout='auto',       # per-sample tables replicated on every rank or sharded (auto: by their size)
 )
 # Losses with their own temperature source keep the estimator's options only
-ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'target_negatives', 'epsilon', 'gamma', 'gamma_decay_epochs',
-                                                  'tile_size', 'state_layout')}
+ESTIMATOR_OPTIONS = {k: DRO_OPTIONS[k] for k in ('rho', 'target_negatives', 'epsilon', 'positive_in_denominator',
+                                                  'gamma', 'gamma_decay_epochs', 'tile_size', 'state_layout')}
 
 # The column half-step after each direction's DRO (columns.py; new here, not in the method's paper): for the losses
 # with a global τ and no weights of their own on the candidates
@@ -131,10 +134,13 @@ def _rho(o):
     return o.rho, o.target_negatives
 
 
-def _state_inactive(o, per_sample_temperature=False) -> dict:
+def _estimator_inactive(o, per_sample_temperature=False) -> dict:
+    unread = {}
+    if getattr(o, 'positive_in_denominator', False):
+        unread['epsilon'] = "positive_in_denominator takes ε's place (ε = 1/(B − 1))"
     if o.gamma != 1:
-        return {}
-    unread = {'gamma_decay_epochs': "gamma = 1 keeps no per-sample u to decay γ for"}
+        return unread
+    unread['gamma_decay_epochs'] = "gamma = 1 keeps no per-sample u to decay γ for"
     if not per_sample_temperature:
         unread['state_layout'] = "gamma = 1 keeps no per-sample state to lay out"
     return unread
@@ -144,8 +150,8 @@ def _global_temperature_inactive(o) -> dict:
     if not _learns_temperature(o):
         why = "a fixed τ; learn it with --learn-temperature"
         return {**{k: why for k in ('temperature_optimizer', 'tau_objective', 'lr_tau', 'tau_min', 'tau_max', 'rho',
-                                    'target_negatives')}, **_state_inactive(o)}
-    unread = _state_inactive(o)
+                                    'target_negatives')}, **_estimator_inactive(o)}
+    unread = _estimator_inactive(o)
     if o.temperature_optimizer == 'model':
         unread.update({k: "τ is the model's logit_scale, learned by OpenCLIP's optimiser"
                        for k in ('tau_objective', 'lr_tau', 'tau_min', 'tau_max')})
@@ -166,7 +172,7 @@ def _global_temperature_and_distill_inactive(o) -> dict:
 
 
 def _estimator_temperature_inactive(o, per_sample_temperature=False) -> dict:
-    return {**_state_inactive(o, per_sample_temperature),
+    return {**_estimator_inactive(o, per_sample_temperature),
             **({} if o.rho == AUTO else {'target_negatives': "it sets an 'auto' ρ"})}
 
 
@@ -213,8 +219,9 @@ def _dro(o, reference_shift, temperature=None, sharding=None, **core_options):
         core_options['distill_rows'] = o.tile_size
     if sharding is None:
         sharding = _sharding(o)
+    core_options.setdefault('positive_in_denominator', getattr(o, 'positive_in_denominator', False))
     return DROContrastiveLoss(
-        temperature, getattr(o, 'epsilon', None), rho=rho, target_negatives=target_negatives, state=_state(o, sharding),
+        temperature, None if core_options['positive_in_denominator'] else o.epsilon, rho=rho, target_negatives=target_negatives, state=_state(o, sharding),
         reference_shift=reference_shift, reference_weight=getattr(o, 'reference_weight', 1.0), rank=o.rank,
         world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), column_step=getattr(o, 'column_step', False),
@@ -347,7 +354,8 @@ def tempnet(o):
     help="ADNCE: negatives re-weighted by a Gaussian of their similarity (µ, σ), positive kept in the denominator "
          "(Wu et al., 2023)",
     # the paper's SimCSE-BERT setting (τ 0.07, µ 0.4, σ 1); mini-batch like the paper (γ = 1)
-    defaults=dict({k: v for k, v in DRO_OPTIONS.items() if k != 'epsilon'}, temperature=0.07, gamma=1.0,
+    defaults=dict({k: v for k, v in DRO_OPTIONS.items() if k not in ('epsilon', 'positive_in_denominator')},
+                  temperature=0.07, gamma=1.0,
                   adnce_mu=0.4, adnce_sigma=1.0, reference_shift=False),
     inactive=_global_temperature_inactive)
 def adnce(o):

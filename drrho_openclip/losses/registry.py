@@ -59,6 +59,9 @@ OPTION_HELP = dict(
     target_negatives="k, the effective negatives per anchor (exp of the entropy of its DRO weights) that an 'auto' "
                      "τ starts from and an 'auto' ρ keeps",
     epsilon="ε in τ·log(ε + g)",
+    positive_in_denominator="ε = 1/(B − 1) for the global batch B, in place of --epsilon: the positive pair's own "
+                            "term joins each anchor's normaliser, so that with --gamma 1 the DRO is CLIP's softmax "
+                            "cross-entropy over the (shifted) logits",
     gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample u)",
     gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma",
     distill_weight="λ of the distillation from the reference model: (1−λ)·contrastive + λ·KD",
