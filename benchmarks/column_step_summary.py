@@ -1,6 +1,6 @@
-"""The column step (drrho's default since 2026-11-30) against the DRO without it (`--no-column-step`, the default
-before), paired seed by seed in every evidence setting where both ran, with each setting's `clip`:
-benchmarks/results/evidence/column_step.md, the README's table.
+"""The column step (drrho's default since 2026-11-30; until 2026-12-01 with SogCLR's estimator, as measured here)
+against the DRO without it (`--no-column-step`, the default before), paired seed by seed in every evidence setting
+where both ran, with each setting's `clip`: benchmarks/results/evidence/column_step.md, a table of the README.
 
     python benchmarks/column_step_summary.py
 
@@ -122,11 +122,12 @@ def paired(new, old, seeds, key, scale, digits):
             f"({sum(x > 0 for x in d)} of {len(d)})")
 
 
-def main():
-    lines = ["| setting (global batch, reference, steps) | data | seeds | `clip` | former default (`--no-column-step`) "
-             "| default (column step) | Δ recall, paired (seeds above) | Δ top-1, paired (seeds above) |",
+def table(cells, former, new):
+    """The markdown table of `cells` (rows as CELLS'), `former` and `new` the headers of the two settings' columns."""
+    lines = [f"| setting (global batch, reference, steps) | data | seeds | `clip` | {former} | {new} "
+             "| Δ recall, paired (seeds above) | Δ top-1, paired (seeds above) |",
              '|---|---:|---:|---:|---:|---:|---:|---:|']
-    for label, new_folders, new_loss, old_folders, old_loss, clip_folders, fractions in CELLS:
+    for label, new_folders, new_loss, old_folders, old_loss, clip_folders, fractions in cells:
         for fraction in fractions:
             new, old = runs(new_folders, new_loss, fraction), runs(old_folders, old_loss, fraction)
             clip = runs(clip_folders, 'clip', fraction)
@@ -137,6 +138,11 @@ def main():
                          f"({old_recall / clip_recall:.2f}×) | {new_cell} (**{new_recall / clip_recall:.2f}×**) | "
                          f"{paired(new, old, seeds, 'mean_recall', 1, 2)} | "
                          f"{paired(new, old, seeds, 'accuracy', 100, 1)} |")
+    return lines
+
+
+def main():
+    lines = table(CELLS, "the DRO alone (`--no-column-step`)", "column step (the former default)")
     out = EVIDENCE / 'column_step.md'
     out.write_text("# The column step against the DRO without it\n\nCells: zero-shot top-1 / mean recall (%), mean ± "
                    "std over the seeds, ×`clip`'s mean recall; Δ: new − former, mean ± standard error.\n\n"

@@ -107,8 +107,10 @@ def training_cases(work: Path, device: str, quick: bool):
     cases.append(('train/drrho/online-reference',
                   _train(model, csv, logs, 'drrho-online', device, precisions[0], 2,
                          ['--loss', 'drrho', '--ref-model', model, '--ref-pretrained', reference])))
-    resumes = {'drrho': [], 'drrho-sharded': ['--state-layout', 'sharded'], 'drrho-tiled': ['--tile-size', 16],
-               'isogclr': [], 'tempnet': []}
+    # drrho with SogCLR's u (its default γ = 1 keeps none), so that a resume carries per-sample state
+    sogclr = ['--gamma', 0.5]
+    resumes = {'drrho': sogclr, 'drrho-sharded': [*sogclr, '--state-layout', 'sharded'],
+               'drrho-tiled': [*sogclr, '--tile-size', 16], 'isogclr': [], 'tempnet': []}
     resume_runs = []
     for name, extra in resumes.items():
         loss = name.split('-')[0]

@@ -11,6 +11,10 @@ from drrho_openclip.losses import (LearnedTemperature, create_loss, effective_ne
                                    reference_margins, rho_for_batch, temperature_for_effective_negatives)
 from test_losses_reference import ALPHA, F64, batch, inner_mean, shifted_loss
 
+# These tests are of the τ the loss's own Adam learns (--temperature-optimizer loss, the paper's App. C.3), on the
+# paper's ε: drrho's default τ is the model's logit_scale and its ε 1/(B − 1)
+OWN_ADAM = dict(temperature_optimizer='loss', positive_in_denominator=False)
+
 
 def call(loss, image, text, ref_image, ref_text):
     return loss(image, text, None, index=torch.arange(len(image)), ref_image_features=ref_image,
@@ -35,7 +39,7 @@ def median_effective_negatives(ref_image, ref_text, tau):
 def test_auto_temperature_gives_the_median_anchor_k_effective_negatives(n, k, caplog):
     g = torch.Generator().manual_seed(n + int(k))
     image, text, ref_image, ref_text = batch(g, n, d=8, ref_d=8)
-    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=k,
+    loss = create_loss('drrho', **OWN_ADAM, num_samples=n, temperature='auto', gamma=1.0, target_negatives=k,
                        lr_tau=0.01).double()
     with caplog.at_level('INFO'):
         call(loss, image, text, ref_image, ref_text)
@@ -58,7 +62,7 @@ def test_an_auto_temperature_at_a_bound_is_a_warning(case, caplog):
     image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(0), n)
     if case.startswith('reference'):
         ref_image = ref_text = torch.full_like(ref_image, ref_image.shape[1] ** -0.5)
-    loss = create_loss('drrho', num_samples=n, temperature='auto', lr_tau=0.01).double()
+    loss = create_loss('drrho', **OWN_ADAM, num_samples=n, temperature='auto', lr_tau=0.01).double()
     with caplog.at_level('INFO'):
         call(loss, image, text, ref_image, ref_text)
     said = [r for r in caplog.records if "temperature 'auto' starts at" in r.getMessage()]
@@ -85,14 +89,14 @@ def test_rho_from_the_batch():
     g = torch.Generator().manual_seed(1)
     n = 24
     image, text, ref_image, ref_text = batch(g, n)
-    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, target_negatives=4.0,
+    loss = create_loss('drrho', **OWN_ADAM, num_samples=n, temperature='auto', gamma=1.0, target_negatives=4.0,
                        lr_tau=0.01).double()
     call(loss, image, text, ref_image, ref_text)
     assert loss.metrics()['rho'] == pytest.approx(math.log(23 / 4))
     assert rho_for_batch(5, 8) == 0.0  # no more negatives than the target: no constraint
     values = {}
     for rho in (2.5, 0.0):
-        given = create_loss('drrho', num_samples=n, temperature='auto', gamma=1.0, rho=rho, lr_tau=0.01).double()
+        given = create_loss('drrho', **OWN_ADAM, num_samples=n, temperature='auto', gamma=1.0, rho=rho, lr_tau=0.01).double()
         values[rho] = call(given, image, text, ref_image, ref_text).item()
         assert given.rho == rho and 'rho' not in given.metrics()  # logged only when it comes from the batch
     # the same 'auto' τ from the same batch: the two losses differ by the ρ term of both directions, 2ρτ
@@ -112,7 +116,7 @@ def test_adam_temperature_gradient_is_the_papers(name, distill_weight):
     n, eps, rho, lr, tau0 = 7, 1e-3, 0.7, 0.02, 0.05
     g = torch.Generator().manual_seed(5)
     kd = dict(distill_weight=distill_weight, reference_logit_scale=5.0) if distill_weight else {}
-    loss = create_loss(name, num_samples=n, gamma=1.0, epsilon=eps, rho=rho, temperature=tau0, lr_tau=lr,
+    loss = create_loss(name, **OWN_ADAM, num_samples=n, gamma=1.0, epsilon=eps, rho=rho, temperature=tau0, lr_tau=lr,
                        learn_temperature=True, **kd).double()
     use_ref = name == 'drrho'
     log_tau, m, v = math.log(tau0), None, None
@@ -144,12 +148,12 @@ def test_auto_lr_tau_is_one_over_the_runs_optimiser_steps(name):
     n, steps = 7, 40
     g = torch.Generator().manual_seed(9)
     batches = [batch(g, n) for _ in range(3)]
-    auto = create_loss(name, num_samples=n, gamma=1.0).double()
+    auto = create_loss(name, **OWN_ADAM, num_samples=n, gamma=1.0).double()
     with pytest.raises(RuntimeError, match='set_total_steps'):
         call(auto, *batches[0])
     auto.set_total_steps(steps)
-    given = create_loss(name, num_samples=n, gamma=1.0, lr_tau=1 / steps).double()
-    kept = create_loss(name, num_samples=n, gamma=1.0, lr_tau=0.02).double()
+    given = create_loss(name, **OWN_ADAM, num_samples=n, gamma=1.0, lr_tau=1 / steps).double()
+    kept = create_loss(name, **OWN_ADAM, num_samples=n, gamma=1.0, lr_tau=0.02).double()
     kept.set_total_steps(steps)
     for b in batches:
         for loss in (auto, given, kept):
@@ -168,7 +172,7 @@ def test_global_tau_steps_on_the_chosen_objective(tau_objective):
     weights. The u-based one overstates it while the model improves, which keeps lowering τ."""
     n, eps, rho, lr, tau0, gamma = 6, 1e-3, 0.7, 0.02, 0.05, 0.3
     g = torch.Generator().manual_seed(11)
-    loss = create_loss('drrho', num_samples=n, gamma=gamma, gamma_decay_epochs=1, epsilon=eps, rho=rho,
+    loss = create_loss('drrho', **OWN_ADAM, num_samples=n, gamma=gamma, gamma_decay_epochs=1, epsilon=eps, rho=rho,
                        temperature=tau0, lr_tau=lr, learn_temperature=True, tau_objective=tau_objective).double()
     first = batch(g, n)
     call(loss, *first)  # epoch 0: γ = 1, u = g of this batch
@@ -234,7 +238,7 @@ def test_state_round_trips_and_resumes_bit_exactly():
     n = 16
     g = torch.Generator().manual_seed(7)
     batches = [batch(g, n) for _ in range(4)]
-    loss = create_loss('drrho', num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
+    loss = create_loss('drrho', **OWN_ADAM, num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
     loss.set_total_steps(len(batches))  # the default lr_tau 'auto', as a training run sets it
     for epoch, b in enumerate(batches[:2]):
         loss.set_epoch(epoch)
@@ -243,7 +247,7 @@ def test_state_round_trips_and_resumes_bit_exactly():
     assert {'temperature.log_tau', 'temperature.exp_avg', 'temperature.exp_avg_sq'} <= set(saved)
     assert not torch.isnan(saved['temperature.log_tau']) and not torch.isnan(saved['temperature.exp_avg'])
 
-    resumed = create_loss('drrho', num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
+    resumed = create_loss('drrho', **OWN_ADAM, num_samples=n, temperature='auto', gamma=0.5, gamma_decay_epochs=1).double()
     assert torch.isnan(resumed.temperature.log_tau)  # 'auto': not chosen yet
     resumed.set_total_steps(len(batches))
     resumed.load_state_dict(saved)
@@ -261,8 +265,8 @@ def test_state_round_trips_and_resumes_bit_exactly():
     ('drrho', dict(temperature='auto', temperature_optimizer='model'), 'give the initial τ'),
     ('drrho', dict(temperature='auto', learn_temperature=False), "learn_temperature is off"),  # not learned anyway
     ('drrho-paper', dict(temperature='auto'), "learn_temperature is off"),
-    ('drrho', dict(temperature=0.05, lr_tau=0.0, rho=3.0), 'rho has no effect here (lr_tau 0 never steps τ)'),
-    ('drrho', dict(temperature=0.05, lr_tau=0.0, tau_min=0.01), 'tau_min has no effect here'),
+    ('drrho', dict(temperature=0.05, lr_tau=0.0, rho=3.0, temperature_optimizer='loss'), 'rho has no effect here (lr_tau 0 never steps τ)'),
+    ('drrho', dict(temperature=0.05, lr_tau=0.0, tau_min=0.01, temperature_optimizer='loss'), 'tau_min has no effect here'),
     ('fastclip', dict(lr_tau=0.0, tau_objective='batch'), 'tau_objective has no effect here'),
     ('drrho', dict(temperature=0.01, learn_temperature=False, rho=3.0), 'rho has no effect here'),
     ('drrho', dict(temperature=0.01, learn_temperature=False, lr_tau=0.1), 'lr_tau has no effect here'),
@@ -273,8 +277,8 @@ def test_state_round_trips_and_resumes_bit_exactly():
     ('isogclr', dict(rho=7.0, target_negatives=4.0), 'target_negatives has no effect here'),
     ('drrho', dict(temperature='hot'), "a number or 'auto'"),
     ('drrho', dict(temperature=-0.1), 'temperature must be > 0'),
-    ('drrho', dict(temperature='auto', lr_tau=-1.0), 'lr_tau must be ≥ 0'),
-    ('drrho', dict(lr_tau='fast'), "lr_tau must be a number or 'auto'"),
+    ('drrho', dict(temperature='auto', lr_tau=-1.0, temperature_optimizer='loss'), 'lr_tau must be ≥ 0'),
+    ('drrho', dict(lr_tau='fast', temperature_optimizer='loss'), "lr_tau must be a number or 'auto'"),
     ('isogclr', dict(lr_tau='auto'), "the per-sample τ's Adam needs a number"),
     ('drrho', dict(temperature='auto', target_negatives=0.5), 'target_negatives must be ≥ 1'),
     ('drrho', dict(temperature_optimizer='sgd', learn_temperature=True, temperature=0.1), "'loss' or 'model'"),
@@ -284,18 +288,21 @@ def test_bad_temperature_options_raise(name, options, message):
         create_loss(name, num_samples=8, **options)
 
 
-def test_drrho_learns_tau_from_0_07_and_the_papers_fixed_tau_is_one_switch_away():
+def test_drrho_learns_tau_as_the_models_logit_scale_and_the_papers_fixed_tau_is_one_switch_away():
     spec = get_loss_spec('drrho')
     assert spec.defaults['temperature'] == 0.07 and spec.defaults['learn_temperature']
-    assert spec.defaults['rho'] == 'auto'
-    default = create_loss('drrho', num_samples=4)  # the paper's App. C.3: learned from 0.07, with ρ (from the batch)
-    assert type(default.temperature).__name__ == 'LearnedTemperature' and default.rho is None
-    assert default.temperature.log_tau.exp().item() == pytest.approx(0.07)
+    assert spec.defaults['temperature_optimizer'] == 'model' and spec.defaults['rho'] == 'auto'
+    default = create_loss('drrho', num_samples=4)  # τ = 1/logit_scale, learned as CLIP's, with ρ (from the batch)
+    assert type(default.temperature).__name__ == 'LogitScaleTemperature' and default.rho is None
     paper = create_loss('drrho', num_samples=4, learn_temperature=False, temperature=0.01)  # its main fixed τ
     assert type(paper.temperature).__name__ == 'FixedTemperature' and paper.rho == 0.0
-    auto = create_loss('drrho', num_samples=4, temperature='auto')
+    own = create_loss('drrho', num_samples=4, temperature_optimizer='loss')  # App. C.3: its own Adam, from 0.07
+    assert type(own.temperature).__name__ == 'LearnedTemperature' and own.rho is None
+    assert own.temperature.log_tau.exp().item() == pytest.approx(0.07)
+    auto = create_loss('drrho', num_samples=4, temperature_optimizer='loss', temperature='auto')
     assert type(auto.temperature).__name__ == 'LearnedTemperature'
-    held = create_loss('drrho', num_samples=4, temperature='auto', lr_tau=0.0, tau_min=0.01)  # chosen, then held
+    held = create_loss('drrho', num_samples=4, temperature_optimizer='loss', temperature='auto', lr_tau=0.0,
+                       tau_min=0.01)  # chosen, then held
     assert type(held.temperature).__name__ == 'LearnedTemperature' and held.temperature.lr == 0
     assert type(create_loss('fastclip', num_samples=4).temperature).__name__ == 'LearnedTemperature'
     assert type(create_loss('sogclr', num_samples=4).temperature).__name__ == 'FixedTemperature'
@@ -311,7 +318,7 @@ def test_a_loss_cast_to_16_bits_keeps_its_learned_state_at_its_precision():
     steps = [tuple(x.detach().bfloat16() for x in batch(g, 16, d=8, ref_d=8)) for _ in range(20)]
 
     def trained(cast):
-        loss = cast(create_loss('drrho', num_samples=16, gamma=0.5, lr_tau=5e-4))
+        loss = cast(create_loss('drrho', **OWN_ADAM, num_samples=16, gamma=0.5, lr_tau=5e-4))
         for features in steps:
             call(loss, *features)
         return loss
@@ -338,7 +345,7 @@ def test_a_batch_with_a_non_finite_value_skips_the_temperature_step(name):
     batches = [list(batch(g, n)) for _ in range(3)]
     batches[1][0] = batches[1][0].clone()
     batches[1][0][0] = float('nan')
-    loss = create_loss(name, num_samples=n, gamma=0.5).double()
+    loss = create_loss(name, **(OWN_ADAM if name == 'drrho' else {}), num_samples=n, gamma=0.5).double()
     loss.set_total_steps(len(batches))
     reference = {} if name == 'drrho' else {'ref_image': None, 'ref_text': None}
     states = []

@@ -10,7 +10,7 @@ from drrho_openclip.losses import list_losses
 CONFIGS = {
     'clip+kd': ('--loss', 'clip', '--distill-weight', '0.5', '{ref}'),
     'drrho': ('--loss', 'drrho', '{ref}'),
-    'drrho+auto': ('--loss', 'drrho', '--temperature', 'auto', '{ref}'),
+    'drrho+auto': ('--loss', 'drrho', '--temperature-optimizer', 'loss', '--temperature', 'auto', '{ref}'),
     'drrho+kd+learnable': ('--loss', 'drrho', '--learn-temperature', '--distill-weight', '0.25', '{ref}'),
     'drrho-paper': ('--loss', 'drrho-paper', '{ref}'),
     'sogclr': ('--loss', 'sogclr'),

@@ -152,7 +152,8 @@ def test_a_loss_left_on_the_host_says_so():
     image, text, ref_image, ref_text = batch(META)
     with pytest.raises(RuntimeError, match=r"per-sample table is on cpu.*loss\.to\('meta'\)"):
         loss(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
-    learned = build('drrho', temperature='auto')  # τ 'auto': the learned temperature's buffers are the first to be read
+    # τ 'auto' (the loss's own Adam): the learned temperature's buffers are the first to be read
+    learned = build('drrho', temperature='auto', temperature_optimizer='loss')
     with pytest.raises(RuntimeError, match=r"learned temperature is on cpu.*loss\.to\('meta'\)"):
         learned(image, text, index=torch.arange(6), ref_image_features=ref_image, ref_text_features=ref_text)
 
@@ -251,8 +252,8 @@ def test_bf16_loss_is_close_to_the_float32_loss(tile_size, column_step):
     """The whole DRO loss on bf16 features (reference shift, u state, KD) against the same values in float32."""
     results = []
     for dtype in (torch.bfloat16, torch.float32):
-        loss = create_loss('drrho', num_samples=16, temperature=0.2, gamma=0.5, tile_size=tile_size,
-                           distill_weight=0.25, reference_logit_scale=5.0, column_step=column_step)
+        loss = create_loss('drrho', num_samples=16, temperature=0.2, temperature_optimizer='loss', gamma=0.5,
+                           tile_size=tile_size, distill_weight=0.25, reference_logit_scale=5.0, column_step=column_step)
         loss.set_total_steps(2)
         g = torch.Generator().manual_seed(4)
         image, text, ref_image, ref_text = (grid(g, 10).to(torch.bfloat16).to(dtype) for _ in range(4))
@@ -332,7 +333,7 @@ def test_float64_features_under_16_bit_autocast_stay_float64():
     image, text, ref_image, ref_text = (grid(g, 10).double() for _ in range(4))
     values = []
     for autocast in (True, False):
-        loss = create_loss('drrho', num_samples=16, temperature=0.2, gamma=0.5).double()
+        loss = create_loss('drrho', num_samples=16, temperature=0.2, temperature_optimizer='loss', gamma=0.5).double()
         loss.set_total_steps(2)
         with _ProductDtypes() as products, torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
             values.append(loss(image, text, None, index=torch.arange(10), ref_image_features=ref_image,

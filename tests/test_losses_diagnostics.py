@@ -65,9 +65,11 @@ EPS, RHO = 1e-3, 0.3  # given where a case reads them: the objective's definitio
 # a case shifts is its own definition here, not the loss's flag: a --reference-shift that the loss ignored would
 # otherwise be expected to be ignored
 CASES = {
-    'drrho': ('drrho', dict(temperature=0.05, gamma=0.5, epsilon=EPS, rho=RHO), 0.05, None, DRRHO_ALPHA),
-    'drrho-tiled': ('drrho', dict(temperature=0.05, gamma=0.5, tile_size=4, epsilon=EPS, rho=RHO), 0.05, None,
-                    DRRHO_ALPHA),
+    # τ learned by the loss's own Adam (its first call's τ is the given one), on the paper's ε
+    'drrho': ('drrho', dict(temperature=0.05, temperature_optimizer='loss', gamma=0.5, epsilon=EPS,
+                            positive_in_denominator=False, rho=RHO), 0.05, None, DRRHO_ALPHA),
+    'drrho-tiled': ('drrho', dict(temperature=0.05, temperature_optimizer='loss', gamma=0.5, tile_size=4, epsilon=EPS,
+                                  positive_in_denominator=False, rho=RHO), 0.05, None, DRRHO_ALPHA),
     'sogclr': ('sogclr', dict(temperature=0.1, epsilon=EPS), 0.1, None, None),  # a fixed τ: no ρ term
     'adnce-shifted-tiled': ('adnce', dict(temperature=0.2, adnce_mu=0.3, adnce_sigma=0.4, reference_shift=True,
                                           tile_size=2), 0.2, gaussian(0.3, 0.4), 1.0),

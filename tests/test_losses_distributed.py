@@ -17,17 +17,24 @@ NUM_SAMPLES = 20
 # (loss, options, epochs of the steps)
 SCENARIOS = {
     'drrho': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, learn_temperature=False), (0, 1)),
-    # the default: τ learned from 0.07 by the loss's Adam, ρ from the batch, the column half-step: each rank's columns
-    # over the gathered anchors and their gathered u
-    'drrho-default': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
+    # the default: CLIP's estimator (γ = 1, ε = 1/(B − 1) of the global batch), τ the model's logit_scale, ρ from the
+    # batch, the column half-step: each rank's columns over the gathered anchors
+    'drrho-default': ('drrho', {}, (0, 1, 1)),
+    # the default before: SogCLR's u, the paper's ε, τ learned from 0.07 by the loss's Adam; the column step over the
+    # gathered anchors and their gathered u
+    'drrho-estimator': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, positive_in_denominator=False,
+                                      temperature_optimizer='loss', lr_tau=0.05), (0, 1, 1)),
     'drrho-learnable': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, learn_temperature=True, rho=1.0,
                                       temperature=0.07, temperature_optimizer='model'), (0, 1)),
     # τ chosen from the gathered batch's reference margins, learned by the loss's Adam with the all-reduced gradient
-    'drrho-auto': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
-    'drrho-auto-tiled': ('drrho', dict(temperature='auto', gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
+    'drrho-auto': ('drrho', dict(temperature='auto', temperature_optimizer='loss', gamma=0.5, gamma_decay_epochs=1,
+                                 lr_tau=0.05), (0, 1, 1)),
+    'drrho-auto-tiled': ('drrho', dict(temperature='auto', temperature_optimizer='loss', gamma=0.5,
+                                       gamma_decay_epochs=1, lr_tau=0.05, tile_size=5), (0, 1)),
     'fastclip': ('fastclip', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05), (0, 1, 1)),
     # the DRO without the column half-step (the paper's; drrho-paper's), and sogclr with it in blocks of 4 rows
-    'drrho-no-column': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, lr_tau=0.05, column_step=False), (0, 1, 1)),
+    'drrho-no-column': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature_optimizer='loss', lr_tau=0.05,
+                                      column_step=False), (0, 1, 1)),
     'sogclr-column-tiled': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1, column_step=True, tile_size=4), (0, 1)),
     'sogclr': ('sogclr', dict(gamma=0.5, gamma_decay_epochs=1), (0, 1)),
     'drrho-tiled': ('drrho', dict(gamma=0.5, gamma_decay_epochs=1, temperature=0.05, learn_temperature=False,

@@ -29,7 +29,7 @@ CASES = {
     'clip+kd': dict(distill_weight=0.5),
     'drrho': dict(gamma=0.5),
     'drrho+kd': dict(gamma=0.5, distill_weight=0.25),
-    'drrho+auto': dict(temperature='auto'),  # a τ chosen from the first batch
+    'drrho+auto': dict(temperature='auto', temperature_optimizer='loss'),  # a τ chosen from the first batch
     'sogclr': dict(gamma=0.5),
     'fastclip': dict(),
     'fastclip+kd': dict(distill_weight=0.25),
@@ -81,15 +81,16 @@ def test_every_loss_has_help_and_paper_defaults():
     assert get_loss_spec('drrho').defaults['reference_logit_scale'] == 'auto'
 
 
-def test_drrho_paper_is_drrho_with_the_papers_four_flags():
+def test_drrho_paper_is_drrho_with_the_papers_flags():
     paper = get_loss_spec('drrho-paper').defaults
     assert paper == {**get_loss_spec('drrho').defaults, 'temperature': 0.01, 'learn_temperature': False,
-                     'reference_weight': 1.0, 'column_step': False}
+                     'reference_weight': 1.0, 'column_step': False, 'gamma': 0.8, 'positive_in_denominator': False,
+                     'temperature_optimizer': 'loss'}  # the last: should its τ be learned, by its own Adam (App. C.3)
     # the same loss as `--loss drrho --no-learn-temperature --temperature 0.01 --reference-weight 1
-    # --no-column-step`, state included
+    # --no-column-step --gamma 0.8 --no-positive-in-denominator`, state included
     losses = [create_loss('drrho-paper', num_samples=16, gamma=0.5),
               create_loss('drrho', num_samples=16, gamma=0.5, learn_temperature=False, temperature=0.01,
-                          reference_weight=1.0, column_step=False)]
+                          reference_weight=1.0, column_step=False, positive_in_denominator=False)]
     for step in range(3):  # the second visit of a sample reads the u its first wrote
         image, text, ref_image, ref_text = make_batch(step, 8)
         index = torch.arange(8) + 8 * (step % 2)
@@ -129,7 +130,7 @@ def test_drrho_paper_is_drrho_with_the_papers_four_flags():
     ('isogclr', dict(num_samples=10, target_negatives=0.0), 'target_negatives must be ≥ 1'),
     ('tempnet', dict(num_samples=10, embed_dim=4, tempnet_prototypes=0), 'tempnet_prototypes must be at least 1'),
     ('tempnet', dict(num_samples=10, embed_dim=4, tempnet_width=0), 'tempnet_width and tempnet_prototypes must be'),
-    ('drrho', dict(num_samples=10, gamma_decay_epochs=-3), 'gamma_decay_epochs must be ≥ 1'),
+    ('drrho', dict(num_samples=10, gamma=0.5, gamma_decay_epochs=-3), 'gamma_decay_epochs must be ≥ 1'),
     ('tempnet', dict(num_samples=10, embed_dim=4, target_negatives=-2.0), 'target_negatives must be ≥ 1'),
     ('drrho', dict(num_samples=10, temperature_optimizer='model', target_negatives=0.5), 'target_negatives must be'),
 ])

@@ -119,8 +119,8 @@ def test_sogclr_estimator_over_steps(name, decay_epochs):
     num_samples, n, tau, eps, gamma = 14, 5, 0.05, 1e-3, 0.6
     # drrho learns its τ unless told not to; the DRO alone, without drrho's column step (tested below)
     fixed = dict(learn_temperature=False, column_step=False) if name == 'drrho' else {}
-    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma,
-                       gamma_decay_epochs=decay_epochs, **fixed)
+    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, positive_in_denominator=False,
+                       gamma=gamma, gamma_decay_epochs=decay_epochs, **fixed)
     u_image = torch.full((num_samples,), float('nan'), **F64)
     u_text = u_image.clone()
     g = torch.Generator().manual_seed(1)
@@ -152,8 +152,8 @@ def test_column_step_over_steps(name, tile_size):
     steps with γ < 1, so the rows' u are not the batch's g. Dense, and in blocks of 2 rows (the tiled core's)."""
     num_samples, n, tau, eps, gamma = 10, 5, 0.05, 1e-3, 0.6
     fixed = dict(learn_temperature=False) if name == 'drrho' else {}
-    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, gamma=gamma, gamma_decay_epochs=1,
-                       column_step=True, tile_size=tile_size, **fixed)
+    loss = create_loss(name, num_samples=num_samples, temperature=tau, epsilon=eps, positive_in_denominator=False,
+                       gamma=gamma, gamma_decay_epochs=1, column_step=True, tile_size=tile_size, **fixed)
     u_image = torch.full((num_samples,), float('nan'), **F64)
     u_text = u_image.clone()
     g = torch.Generator().manual_seed(3)
@@ -191,8 +191,8 @@ def test_learnable_temperature_gradient(name):
     """Appendix C.3: min over θ and τ of mean_i τ log(ε + g_i) (both directions) + 2τρ. Its τ-derivative under the
     SogCLR estimator is Σ_dir mean_i [log(ε+u_i) − Σ_j w_ij ℓ̂_ij/τ/(n−1)] + 2ρ; the loss gets τ = 1/logit_scale."""
     num_samples, n, eps, gamma, rho = 9, 6, 1e-3, 0.5, 0.7
-    options = dict(num_samples=num_samples, epsilon=eps, gamma=gamma, gamma_decay_epochs=1, rho=rho,
-                   temperature=0.07, temperature_optimizer='model')
+    options = dict(num_samples=num_samples, epsilon=eps, positive_in_denominator=False, gamma=gamma,
+                   gamma_decay_epochs=1, rho=rho, temperature=0.07, temperature_optimizer='model')
     drrho = dict(learn_temperature=True, column_step=False) if name == 'drrho' else {}  # the DRO alone
     loss = create_loss(name, **drrho, **options)
     u_image = torch.full((num_samples,), float('nan'), **F64)
@@ -233,8 +233,8 @@ def test_reference_weight_scales_the_shift(alpha, tile_size):
     of Appendix C.3, so its value and its gradients in the features and in the learned τ are autograd's on the
     formula; dense and tiled (4 columns of 7) alike."""
     n, eps, rho = 7, 1e-3, 0.7
-    loss = create_loss('drrho', gamma=1.0, epsilon=eps, rho=rho, temperature=0.07, temperature_optimizer='model',
-                       reference_weight=alpha, tile_size=tile_size, column_step=False)
+    loss = create_loss('drrho', gamma=1.0, epsilon=eps, positive_in_denominator=False, rho=rho, temperature=0.07,
+                       temperature_optimizer='model', reference_weight=alpha, tile_size=tile_size, column_step=False)
     image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(5), n)
     logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
     out = loss(image, text, logit_scale, ref_image_features=ref_image, ref_text_features=ref_text)
@@ -246,8 +246,8 @@ def test_reference_weight_scales_the_shift(alpha, tile_size):
             + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
     assert_close(out, want)
     assert_close(grads(out, (image, text, logit_scale)), grads(want, (image, text, logit_scale)))
-    paper = create_loss('drrho', gamma=1.0, epsilon=eps, rho=rho, temperature=0.07, temperature_optimizer='model',
-                        tile_size=tile_size, reference_weight=1.0)(image, text, logit_scale,
+    paper = create_loss('drrho', gamma=1.0, epsilon=eps, positive_in_denominator=False, rho=rho, temperature=0.07,
+                        temperature_optimizer='model', tile_size=tile_size, reference_weight=1.0)(image, text, logit_scale,
                                                                     ref_image_features=ref_image,
                                                                     ref_text_features=ref_text)
     assert not torch.isclose(out, paper)  # α is not silently dropped
@@ -276,7 +276,7 @@ def test_positive_in_denominator_is_clips_loss_on_the_shifted_logits(alpha, tile
     want = 2 * tau * (clip - math.log(n - 1))
     assert_close(out, want)
     assert_close(grads(out, (image, text, logit_scale)), grads(want, (image, text, logit_scale)))
-    given = create_loss('drrho', epsilon=1 / (n - 1), **options)(image, text, logit_scale, **refs)
+    given = create_loss('drrho', epsilon=1 / (n - 1), positive_in_denominator=False, **options)(image, text, logit_scale, **refs)
     assert_close(out, given)
     with pytest.raises(ValueError, match="epsilon"):  # the ε it replaces is not silently dropped
         create_loss('drrho', positive_in_denominator=True, epsilon=1e-3, **options)
@@ -289,7 +289,7 @@ def test_reference_weight_zero_reads_no_reference():
     index = torch.arange(7)
     results = []
     for reference in ({}, dict(ref_image_features=ref_image, ref_text_features=ref_text)):
-        loss = create_loss('drrho', num_samples=7, gamma=0.5, reference_weight=0.0)
+        loss = create_loss('drrho', num_samples=7, gamma=0.5, temperature_optimizer='loss', reference_weight=0.0)
         loss.set_total_steps(1)
         features = [f.detach().clone().requires_grad_() for f in (image, text)]
         out = loss(*features, torch.tensor(1.0), index=index, **reference)
@@ -406,7 +406,8 @@ def test_dro_distillation(name):
     image, text, ref_image, ref_text = batch(g, n)
     learn = name == 'fastclip'
     logit_scale = torch.tensor(1 / 0.05, **F64, requires_grad=True)
-    options = dict(gamma=1.0, epsilon=eps, distill_weight=lam, reference_logit_scale=teacher)
+    options = dict(gamma=1.0, epsilon=eps, positive_in_denominator=False, distill_weight=lam,
+                   reference_logit_scale=teacher)
     # the paper's settings: fastclip's τ the model's logit_scale with ρ 8.5, drrho's τ fixed at 0.01, no column step
     options.update(dict(temperature_optimizer='model', rho=8.5) if learn else dict(temperature=0.01,
                                                                                    learn_temperature=False,
@@ -831,8 +832,9 @@ def test_eval_mode_is_the_batch_objective(name):
     num_samples, n, eps = 24, 12, 1e-3
     columns = name == 'drrho-column'
     name = 'drrho' if columns else name
-    drrho = dict(column_step=columns) if name == 'drrho' else {}
-    loss = create_loss(name, num_samples=num_samples, epsilon=eps, gamma=0.5, gamma_decay_epochs=1, **drrho)
+    drrho = dict(column_step=columns, temperature_optimizer='loss') if name == 'drrho' else {}  # τ its own Adam's
+    loss = create_loss(name, num_samples=num_samples, epsilon=eps, positive_in_denominator=False, gamma=0.5,
+                       gamma_decay_epochs=1, **drrho)
     if hasattr(loss, 'set_total_steps'):
         loss.set_total_steps(4)
     g = torch.Generator().manual_seed(5)

@@ -179,11 +179,11 @@ def test_the_global_batch_of_an_accumulating_run_is_its_whole_window(shapes, acc
 def test_the_run_tells_the_loss_its_optimiser_steps(shapes, loss, lr_tau, caplog):
     """A learned τ's --lr-tau auto is 1/(the run's optimiser steps), counted as OpenCLIP's scheduler counts them:
     batches per epoch // --accum-freq × --epochs, and logged; a given --lr-tau is kept, and a fixed τ (sogclr) has
-    none, so neither logs one."""
+    none, so neither logs one. (drrho's τ is its own Adam's with --temperature-optimizer loss.)"""
     from open_clip_train.data import DataInfo
     args = parse('--model', shapes['model'], '--dataset-type', 'synthetic', '--train-num-samples', 16, '--loss', loss,
                  '--epochs', 3, '--accum-freq', 2, *(('--lr-tau', lr_tau) if lr_tau else ()),
-                 *(('--ref-model', shapes['model']) if loss == 'drrho' else ()))
+                 *(('--ref-model', shapes['model'], '--temperature-optimizer', 'loss') if loss == 'drrho' else ()))
     plugin.configure_model(open_clip.create_model(shapes['model'], device='meta'), args)
     loader = SimpleNamespace(num_batches=7)  # a loader without a map-style dataset, as WebDataset's
     with caplog.at_level(logging.INFO):

@@ -24,7 +24,8 @@ from drrho_openclip.features import FeatureStore, FeatureStoreError, FeatureStor
 from drrho_openclip.openclip.checkpoints import RUN_KEY, _new_run
 from drrho_openclip.losses.registry import get_loss_spec, list_losses
 
-DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2')
+# drrho with every kind of state it can keep: the per-sample u (γ < 1) and τ learned by its own Adam
+DRRHO = ('--loss', 'drrho', '--gamma', '0.5', '--gamma-decay-epochs', '2', '--temperature-optimizer', 'loss')
 
 
 @pytest.fixture(scope='session')
@@ -46,7 +47,7 @@ def test_drrho_trains_and_saves_u_state(shapes, tmp_path):
     ckpt = checkpoint(tmp_path, 'run', 2)
     log_u = ckpt['loss_state']['state.log_u_image']
     assert log_u.shape == (64,) and torch.isfinite(log_u).all()  # every sample visited, no overflow
-    # the default τ, learned by the loss's Adam from 0.07, moved and is saved with the loss's state
+    # τ, learned by the loss's Adam from 0.07, moved and is saved with the loss's state
     tau = ckpt['loss_state']['temperature.log_tau'].exp().item()
     assert tau != pytest.approx(0.07, rel=1e-3) and 0.001 <= tau <= 1.0
     # the state lives outside the model: OpenCLIP's own loader still reads the checkpoint strictly; the model's
@@ -484,15 +485,16 @@ def test_gradient_accumulation_equals_the_large_batch(shapes, tmp_path):
     assert_equivalent_runs(checkpoint(tmp_path, 'big', 2), checkpoint(tmp_path, 'accum', 2))
 
 
-@pytest.mark.parametrize('name', ['tempnet', 'balanced', 'drrho-logit-scale', 'clip+kd'])
+@pytest.mark.parametrize('name', ['tempnet', 'balanced', 'drrho-default', 'clip+kd'])
 def test_two_ranks_accumulating_gradients_equal_one_rank_with_the_large_batch(shapes, tmp_path, name):
     """The losses whose τ is a model parameter (TempNet's weights, the model's logit_scale): a later call of an
     accumulation window takes τ as the first call's constant, yet under DDP the parameter must still take part in
-    its backward (the runs stopped at their second step)."""
+    its backward (the runs stopped at their second step). drrho's default is one: its τ the model's logit_scale, and
+    its ε 1/(B − 1) of the global batch, the window's."""
     ref = ('--ref-features', shapes['ref'])
     loss = {'tempnet': loss_args(shapes, 'tempnet'),
             'balanced': ('--loss', 'balanced'),
-            'drrho-logit-scale': (*DRRHO, *ref, '--temperature-optimizer', 'model'),
+            'drrho-default': ('--loss', 'drrho', *ref),
             'clip+kd': ('--loss', 'clip', '--distill-weight', '0.5', *ref)}[name]
     run_openclip(train_args(shapes, tmp_path, 'one', *loss, *SGD, batch_size=8, epochs=2))
     run_openclip(train_args(shapes, tmp_path, 'two', *loss, *SGD, '--local-loss', '--gather-with-grad',
@@ -652,7 +654,7 @@ def test_a_csv_of_several_captions_per_image_gets_a_store_and_trains(shapes, tmp
     reversed_rows.write_text('\n'.join([text[0]] + text[1:][::-1]) + '\n')
     assert precompute.main(['verify', str(store), '--train-data', str(reversed_rows)]) == 1
     assert "file 'coco.keys.npy': row 0 is '" in capsys.readouterr().out
-    args = train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--ref-features', store)
+    args = train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', store)
     args[args.index('--train-data') + 1] = coco
     run_openclip(args)
     assert torch.isfinite(checkpoint(tmp_path, 'run', 1)['loss_state']['state.log_u_image']).all()
@@ -765,13 +767,12 @@ def test_corrupt_feature_file_names_the_shard(shapes, tmp_path, capsys):
 
 
 def test_resume_without_u_state_fails_and_keeps_the_checkpoint(shapes, tmp_path):
-    # γ = 1 keeps no state; continuing with γ < 1 would silently restart every estimator
-    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '1',
-                            '--ref-features', shapes['ref']))
+    # the default γ = 1 keeps no state; continuing with γ < 1 would silently restart every estimator
+    run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--ref-features', shapes['ref']))
     saved = tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'
     digest = hashlib.sha256(saved.read_bytes()).hexdigest()
-    result = run_openclip(train_args(shapes, tmp_path, 'run', *DRRHO, '--ref-features', shapes['ref'], '--resume',
-                                     'latest', epochs=2), check=False)
+    result = run_openclip(train_args(shapes, tmp_path, 'run', '--loss', 'drrho', '--gamma', '0.5',
+                                     '--ref-features', shapes['ref'], '--resume', 'latest', epochs=2), check=False)
     assert result.returncode != 0
     assert 'holds no per-sample state' in result.stderr and str(saved) in result.stderr
     assert hashlib.sha256(saved.read_bytes()).hexdigest() == digest

@@ -50,8 +50,10 @@ def test_loss_flag_is_the_plugin_flag_not_an_abbreviation():
     from open_clip_train.params import parse_args
     args = parse_args(['--loss', 'drrho', '--ref-model', 'RN50'])
     assert args.loss == 'drrho' and args.loss_dist_impl is None
-    # drrho's defaults were filled in: τ learned from 0.07 (the paper's App. C.3) and its ε
-    assert args.temperature == 0.07 and args.learn_temperature is True and args.epsilon == 1e-4
+    # drrho's defaults were filled in: τ learned from 0.07 as the model's logit_scale, CLIP's estimator (γ = 1 and
+    # ε = 1/(B − 1))
+    assert args.temperature == 0.07 and args.learn_temperature is True and args.temperature_optimizer == 'model'
+    assert args.gamma == 1.0 and args.positive_in_denominator is True
     args = parse_args(['--loss', 'drrho', '--ref-model', 'RN50', '--no-learn-temperature', '--temperature', '0.01'])
     assert args.learn_temperature is False and args.temperature == 0.01  # the paper's main setting
 
@@ -71,8 +73,10 @@ SYNTHETIC = ('--dataset-type', 'synthetic', '--train-num-samples', '16')  # a tr
 
 @pytest.mark.parametrize('argv, message', [
     # a τ never stepped is never clamped: its bounds are unread, so they neither stop a start above them nor may be set
-    (('--loss', 'drrho', '--ref-model', 'RN50', '--lr-tau', '0', '--temperature', '2'), None),
-    (('--loss', 'drrho', '--ref-model', 'RN50', '--lr-tau', '0', '--temperature', '2', '--tau-max', '3'),
+    (('--loss', 'drrho', '--ref-model', 'RN50', '--temperature-optimizer', 'loss', '--lr-tau', '0', '--temperature',
+      '2'), None),
+    (('--loss', 'drrho', '--ref-model', 'RN50', '--temperature-optimizer', 'loss', '--lr-tau', '0', '--temperature',
+      '2', '--tau-max', '3'),
      '--tau-max has no effect for --loss drrho with these flags (--lr-tau 0 never steps τ)'),
     (('--loss', 'isogclr', '--lr-tau', '0', '--temperature', '2'), None),
     (('--loss', 'isogclr', '--lr-tau', '0', '--rho', '3'),

@@ -195,7 +195,8 @@ def wds(shapes, shards, *extra):
 def test_sample_index_flag_is_accepted_for_losses_with_per_sample_state(shapes, shards, index):
     for extra in (['--loss', 'sogclr', '--gamma', '0.5'],
                   ['--loss', 'isogclr', '--gamma', '1'],  # γ 1 still learns a τ per sample
-                  ['--loss', 'drrho', '--ref-model', shapes['model']]):  # online reference: no store of its own
+                  # online reference: no store of its own; γ < 1 keeps a per-sample u
+                  ['--loss', 'drrho', '--gamma', '0.5', '--ref-model', shapes['model']]):
         parse(*wds(shapes, shards, *extra, '--sample-index', index))
         assert run.active().sample_index_size == 64
 
@@ -204,13 +205,13 @@ def test_sample_index_flag_is_accepted_for_losses_with_per_sample_state(shapes, 
     (['--loss', 'clip', '--sample-index', '{index}'],
      '--sample-index: --loss clip with these options keeps no per-sample state, so it needs no sample index'),
     (['--loss', 'sogclr', '--gamma', '1', '--sample-index', '{index}'], 'needs no sample index (--gamma 1)'),
-    (['--loss', 'drrho', '--ref-features', '{ref}', '--sample-index', '{index}'],
+    (['--loss', 'drrho', '--gamma', '0.5', '--ref-features', '{ref}', '--sample-index', '{index}'],
      '--sample-index: the --ref-features store already indexes the samples; drop --sample-index'),
     (['--loss', 'sogclr', '--gamma', '0.5'],
      "--loss sogclr keeps per-sample state, and WebDataset samples have no index of their own: write one with "
      "`drrho-openclip-features --keys-only --train-data '{urls}' --output DIR` and pass --sample-index DIR"),
     (['--loss', 'isogclr'], '`drrho-openclip-features --keys-only'),
-    (['--loss', 'drrho', '--ref-model', 'm'], '(or precompute the reference features: --ref-features indexes them'),
+    (['--loss', 'drrho', '--gamma', '0.5', '--ref-model', 'm'], '(or precompute the reference features: --ref-features indexes them'),
     (['--loss', 'drrho', '--ref-features', '{index}'],
      "--ref-features: '{index}' is a keys-only store: it holds no reference features"),
     (['--loss', 'sogclr', '--sample-index', '{ref}/nowhere'], "--sample-index: reference-feature directory"),

@@ -250,7 +250,7 @@ def test_layout_option():
     with pytest.raises(ValueError, match=r'state_layout has no effect here \(gamma = 1 keeps no per-sample state'):
         create_loss('drrho', num_samples=N, gamma=1.0, state_layout='sharded')
     with pytest.raises(ValueError, match='state_layout must be one of'):
-        create_loss('drrho', num_samples=N, state_layout='striped')
+        create_loss('drrho', num_samples=N, gamma=0.5, state_layout='striped')
     with pytest.raises(ValueError, match='no option state_layout'):
         create_loss('jest', state_layout='sharded')
 

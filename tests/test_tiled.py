@@ -414,7 +414,8 @@ F32 = dict(rtol=2e-5, atol=2e-5)
     ('drrho', dict(gamma=0.5, temperature=0.01)),            # fixed τ = 0.01, reference shift, u with γ = 0.5
     ('drrho', dict(gamma=0.5, learn_temperature=True, temperature=0.07,
                    temperature_optimizer='model')),          # τ = 1/logit_scale, ρ term
-    ('drrho', dict(temperature='auto', gamma=0.5, lr_tau=0.05)),  # τ 'auto', learned by the loss's Adam, ρ from the batch
+    ('drrho', dict(temperature='auto', temperature_optimizer='loss', gamma=0.5,
+                   lr_tau=0.05)),                            # τ 'auto', learned by the loss's Adam, ρ from the batch
     ('sogclr', dict(gamma=0.5)),                             # no reference
     ('drrho', dict(gamma=0.5, distill_weight=0.5)),          # KD, T anchors at a time in the tiled run
 ])
