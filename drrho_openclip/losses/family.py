@@ -220,8 +220,9 @@ def _dro(o, reference_shift, temperature=None, sharding=None, **core_options):
     if sharding is None:
         sharding = _sharding(o)
     core_options.setdefault('positive_in_denominator', getattr(o, 'positive_in_denominator', False))
+    epsilon = None if core_options['positive_in_denominator'] else o.epsilon  # the positive's term takes ε's place
     return DROContrastiveLoss(
-        temperature, None if core_options['positive_in_denominator'] else o.epsilon, rho=rho, target_negatives=target_negatives, state=_state(o, sharding),
+        temperature, epsilon, rho=rho, target_negatives=target_negatives, state=_state(o, sharding),
         reference_shift=reference_shift, reference_weight=getattr(o, 'reference_weight', 1.0), rank=o.rank,
         world_size=o.world_size, distill_weight=getattr(o, 'distill_weight', 0.0),
         teacher_logit_scale=getattr(o, 'reference_logit_scale', AUTO), column_step=getattr(o, 'column_step', False),
