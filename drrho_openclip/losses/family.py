@@ -246,9 +246,8 @@ def clip(o):
 # as the model's logit_scale from 0.07, ρ from the batch: with α = 0, ρ = 0 and no column step this is CLIP's loss up
 # to the factor τ, so the default is CLIP's loss plus two parts, each measured to gain. Against the default before it
 # (SogCLR's u with γ 0.8, the paper's ε 1e-4, τ learned by the loss's own Adam, App. C.3): above its mean recall by
-# more than a standard error in 15 of 19 cells at batches 64 to 4096, level in three, below by 1.3 in one (-0.10);
-# batch 8192, the deciding rule's last cell, still to run (docs/defaults.md, "CLIP's estimator and scale"). Each
-# estimator part alone gained about half.
+# more than a standard error in 15 of 20 cells at batches 64 to 8192, level in four, below by 1.3 in one (-0.10)
+# (docs/defaults.md, "CLIP's estimator and scale"). Each estimator part alone gained about half.
 # SogCLR's u is one flag away (--gamma 0.8 --no-positive-in-denominator), and drrho-paper keeps the paper's estimator.
 # A quarter of the paper's shift (α = 1): measured at α = 1, 0.5 and 0.25 in eleven settings (batch 64 to 2048, weak
 # to strong references), 0.25 had the best mean recall against `clip` (1.18× on average; below it in one, 0.96×) where
