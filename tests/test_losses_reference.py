@@ -282,6 +282,30 @@ def test_positive_in_denominator_is_clips_loss_on_the_shifted_logits(alpha, tile
         create_loss('drrho', positive_in_denominator=True, epsilon=1e-3, **options)
 
 
+@pytest.mark.parametrize('column_step', [False, True])
+def test_distill_weight_is_kds_share_as_in_clip(column_step):
+    """λ gives KD the share of the gradient it has in MobileCLIP's (1−λ)·CLIP + λ·KD. With CLIP's estimator (γ = 1,
+    ε = 1/(B − 1)), α = 0 and a fixed τ, drrho's rows are 2τ·(CLIP's loss − log(B − 1)), so drrho with λ is
+    2τ·(`clip` with λ) up to a constant: the same gradients in the features, times 2τ. The column step adds one
+    cross-entropy per direction to the DRO term, and KD's factor follows it (4τ·KD)."""
+    n, lam, teacher, tau = 7, 0.5, 30.0, 0.05
+    image, text, ref_image, ref_text = batch(torch.Generator().manual_seed(21), n)
+    refs = dict(ref_image_features=ref_image, ref_text_features=ref_text)
+    options = dict(gamma=1.0, temperature=tau, learn_temperature=False, reference_weight=0.0,
+                   distill_weight=lam, reference_logit_scale=teacher)
+    logit_scale = torch.tensor(1 / tau, **F64)
+    kd = kd_reference(image, text, ref_image, ref_text, logit_scale, teacher)
+    out = create_loss('drrho', column_step=column_step, **options)(image, text, logit_scale, output_dict=True, **refs)
+    assert_close(out['distill_loss'], lam * (4 if column_step else 2) * tau * kd)
+    if column_step:
+        return
+    mobileclip = create_loss('clip', distill_weight=lam, reference_logit_scale=teacher)(
+        image, text, logit_scale, output_dict=True, **refs)
+    assert_close(sum(out.values()), 2 * tau * (sum(mobileclip.values()) - (1 - lam) * math.log(n - 1)))
+    wrt = (image, text)
+    assert_close(grads(sum(out.values()), wrt), [2 * tau * g for g in grads(sum(mobileclip.values()), wrt)])
+
+
 def test_reference_weight_zero_reads_no_reference():
     """α = 0 is drrho's DRO unshifted (the ablation of the shift): a batch without reference features trains it, the
     same to the bit as with them, and its per-sample u is of the unshifted loss."""
@@ -399,8 +423,9 @@ def test_auto_teacher_scale_minimises_the_references_own_clip_loss():
 
 @pytest.mark.parametrize('name', ['fastclip', 'drrho'])
 def test_dro_distillation(name):
-    """fastclip / drrho with λ: (1−λ)·(their DRO loss) + λ·τ·KD with the student at logit scale 1/τ; fastclip's
-    contrastive part is not shifted by the reference (the official fork's leak)."""
+    """fastclip / drrho with λ: (1−λ)·(their DRO loss) + λ·2τ·KD with the student at logit scale 1/τ (2: the DRO loss
+    sums its two directions' τ-scaled cross-entropies, KD averages them); fastclip's contrastive part is not shifted
+    by the reference (the official fork's leak)."""
     n, eps, lam, teacher = 6, 1e-4, 0.25, 100.0
     g = torch.Generator().manual_seed(4)
     image, text, ref_image, ref_text = batch(g, n)
@@ -423,7 +448,7 @@ def test_dro_distillation(name):
     dro = (tau * torch.log(eps + inner_mean(ell_image, tau))
            + tau * torch.log(eps + inner_mean(ell_text, tau))).mean() + 2 * tau * rho
     want_c = (1 - lam) * dro
-    want_d = lam * tau.detach() * kd_reference(image, text, ref_image, ref_text, 1 / tau, teacher)
+    want_d = lam * 2 * tau.detach() * kd_reference(image, text, ref_image, ref_text, 1 / tau, teacher)
     assert_close(out['contrastive_loss'], want_c)
     assert_close(out['distill_loss'], want_d)
     # γ = 1: the DRO gradient is the objective's own, so autograd on the formula is the reference

@@ -60,9 +60,11 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
     the B − 1 candidates, so τ log(1/(B−1) + g_i) = τ [log(1 + Σ_{j≠i} exp(ℓ̂_ij/τ)) − log(B−1)], CLIP's
     softmax cross-entropy up to the factor τ and a constant.
     With `distill_weight` λ > 0 (a global τ only), the result is {'contrastive_loss': (1−λ) L,
-    'distill_loss': λ τ KD} with KD the MobileCLIP distillation term (`distill.py`) at the student's logit scale 1/τ
-    and the teacher's `teacher_logit_scale` (a number, or 'auto': calibrated on the first batch);
-    the factor τ (detached) puts KD in the units of the τ-scaled DRO loss, as CLIP's cross-entropy is in KD's;
+    'distill_loss': λ n τ KD} with KD the MobileCLIP distillation term (`distill.py`) at the student's logit scale 1/τ
+    and the teacher's `teacher_logit_scale` (a number, or 'auto': calibrated on the first batch). KD averages its two
+    directions as CLIP's loss does, while L sums n τ-scaled cross-entropies (each direction's row, and with the
+    column step its column): the factor n τ (τ detached) gives KD the share λ of the gradient that MobileCLIP's
+    (1−λ)·CLIP + λ·KD gives it, so a λ means the same for `clip`, `balanced` and these losses;
     `distill_rows` > 0 computes it that many anchors at a time (with the tiled aggregation: its tile size). A τ the
     loss's own Adam learns steps on the DRO objective alone (App. C.3); KD's gradient reaches a τ learned as the
     model's logit_scale.
@@ -304,8 +306,9 @@ class DROContrastiveLoss(ReferenceFeatures, nn.Module):
                 kd, teacher_scale = distill_from_reference(self.teacher_logit_scale,
                                                            (image, text, all_image, all_text), reference,
                                                            1.0 / tau_image, self.distill_rows)
+                cross_entropies = 2 * (2 if self.column_step else 1)
                 losses = {'contrastive_loss': (1 - self.distill_weight) * loss,
-                          'distill_loss': self.distill_weight * tau_image.detach() * kd}
+                          'distill_loss': self.distill_weight * cross_entropies * tau_image.detach() * kd}
                 if self.training:
                     self._last.update(distill=kd.detach(), teacher_logit_scale=teacher_scale)
         if output_dict:

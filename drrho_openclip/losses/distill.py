@@ -6,6 +6,10 @@ the reference model at its own logit scale t (the official code's default 100).
 Normalisation: Eq. 16 prints 1/|B|² in front of each direction's double sum and adds the two directions. Its λ
 values come from the official code, which (like MobileCLIP's and OpenCLIP's DistillClipLoss) averages over the
 anchors (1/|B|) and over the two directions (½), so KD is on the scale of CLIP's loss in Eq. 12; we do the same.
+λ is KD's share against CLIP's loss, MobileCLIP's (1 − λ)·CLIP + λ·KD, in every loss: a DRO loss, whose term sums n
+τ-scaled cross-entropies (two directions; four with the column step), weighs KD by n·τ (core.py). The official code
+adds λ_off·τ·KD to its two summed directions, without the 1 − λ: its λ_off is λ = λ_off / (2 + λ_off) here (the
+paper's 0.25: 0.11).
 
 The teacher's logit scale t: a number (a CLIP reference's own, e.g. 100), or 'auto' (`ReferenceLogitScale`): the t at
 which the reference's own in-batch predictions are calibrated on the training data (`calibrated_logit_scale`). A

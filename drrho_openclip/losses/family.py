@@ -59,7 +59,8 @@ COLUMN_OPTIONS = dict(column_step=False)
 # MobileCLIP-style distillation from the reference model (seed 001 Eq. 12, 16), for clip, fastclip, drrho and
 # balanced
 DISTILL_OPTIONS = dict(
-    distill_weight=0.0,           # λ: (1−λ)·contrastive + λ·KD; the paper's λ is 0 with the weak ViT-B/32 reference
+    distill_weight=0.0,           # λ: KD's share, (1−λ)·contrastive + λ·KD in CLIP's units (distill.py); the paper's
+                                  # λ is 0 with the weak ViT-B/32 reference
     # the teacher's (reference model's) logit scale in KD, and JEST's: calibrated on the first batch (distill.py),
     # since precomputed features carry no scale and CLIP's 100 makes a weaker teacher's mistakes hard labels
     reference_logit_scale=AUTO,
