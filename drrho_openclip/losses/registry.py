@@ -64,7 +64,8 @@ OPTION_HELP = dict(
                             "cross-entropy over the (shifted) logits",
     gamma="final inner learning rate γ of the per-sample estimators u (1 = no per-sample u)",
     gamma_decay_epochs="epochs of the cosine decay of γ from 1 to --gamma",
-    distill_weight="λ of the distillation from the reference model: (1−λ)·contrastive + λ·KD",
+    distill_weight="λ of the distillation from the reference model: KD's share, (1−λ)·contrastive + λ·KD in CLIP's "
+                   "units for every loss",
     reference_logit_scale="the reference model's logit scale t (KD teacher, JEST scores); 'auto': the t at which the "
                           "reference's own predictions on the first batch are calibrated (minimum of its CLIP loss "
                           "there, in [1, 100]), which a CLIP reference's learned scale approximates on its own data",
