@@ -275,7 +275,7 @@ def verdict(r: ReferenceReport) -> List[str]:
                  f"KD helped where a --loss clip model stayed far below the reference over many epochs on the same "
                  f"data (zero-shot in all 3 such settings, recall in 2), and cost recall at large batches over few "
                  f"epochs, both with drrho's KD at a quarter of the weight --distill-weight 0.5 gives it today; at "
-                 f"0.5, with the full shift, 1.21x clip's recall at 8 seeds in one such setting.")
+                 f"0.5, 1.19x clip's recall at 8 seeds in one such setting (1.20x with the full shift).")
     return lines
 
 
