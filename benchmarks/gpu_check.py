@@ -74,6 +74,13 @@ def _train(model, csv, logs, name, device, precision, epochs, extra=()):
             '--log-every-n-steps', 4, *extra]
 
 
+def _keeping_u(loss: str) -> list:
+    """Flags that make `loss` keep per-sample u: a loss whose default γ = 1 keeps none (drrho, adnce) is given the
+    SogCLR estimator's γ; the others keep theirs."""
+    from drrho_openclip.losses import get_loss_spec
+    return ['--gamma', 0.5] if get_loss_spec(loss).defaults.get('gamma') == 1.0 else []
+
+
 def training_cases(work: Path, device: str, quick: bool):
     """[(name, command)] of the training and resume runs, and the set-up they need (data, reference, features)."""
     from drrho_openclip.demo import make_split, write_tiny_model
@@ -97,24 +104,20 @@ def training_cases(work: Path, device: str, quick: bool):
             cases.append((f'train/{loss}/{precision}', _train(model, csv, logs, f'{loss}-{precision}', device,
                                                               precision, 2, flags)))
         if spec.stateful:
-            # a loss whose default γ = 1 keeps no per-sample state (adnce) is given the SogCLR estimator's γ here
-            stateful = ['--gamma', 0.5] if spec.defaults.get('gamma') == 1.0 else []
             cases.append((f'train/{loss}/sharded', _train(model, csv, logs, f'{loss}-sharded', device, precisions[0],
-                                                          2, flags + stateful + ['--state-layout', 'sharded'])))
+                                                          2, flags + _keeping_u(loss) + ['--state-layout', 'sharded'])))
         if loss in TILEABLE:
             cases.append((f'train/{loss}/tiled', _train(model, csv, logs, f'{loss}-tiled', device, precisions[0], 2,
                                                         flags + ['--tile-size', 16])))
     cases.append(('train/drrho/online-reference',
                   _train(model, csv, logs, 'drrho-online', device, precisions[0], 2,
                          ['--loss', 'drrho', '--ref-model', model, '--ref-pretrained', reference])))
-    # drrho with SogCLR's u (its default γ = 1 keeps none), so that a resume carries per-sample state
-    sogclr = ['--gamma', 0.5]
-    resumes = {'drrho': sogclr, 'drrho-sharded': [*sogclr, '--state-layout', 'sharded'],
-               'drrho-tiled': [*sogclr, '--tile-size', 16], 'isogclr': [], 'tempnet': []}
+    resumes = {'drrho': [], 'drrho-sharded': ['--state-layout', 'sharded'], 'drrho-tiled': ['--tile-size', 16],
+               'isogclr': [], 'tempnet': []}
     resume_runs = []
     for name, extra in resumes.items():
-        loss = name.split('-')[0]
-        flags = ['--loss', loss, *extra] + (['--ref-features', features] if loss == 'drrho' else [])
+        loss = name.split('-')[0]  # with per-sample state, so that a resume carries it
+        flags = ['--loss', loss, *_keeping_u(loss), *extra] + (['--ref-features', features] if loss == 'drrho' else [])
         first = _train(model, csv, logs, f'resume-{name}', device, precisions[0], 1, flags)
         resumed = _train(model, csv, logs, f'resume-{name}', device, precisions[0], 2, flags + ['--resume', 'latest'])
         resume_runs.append((f'resume/{name}', first, resumed))
