@@ -273,9 +273,10 @@ def verdict(r: ReferenceReport) -> List[str]:
                  f"{r.teacher_logit_scale:.3g} on such a batch, which --reference-logit-scale auto finds on the first "
                  f"batch; a scale far above it would teach the reference's mistakes as certainties. In the evidence, "
                  f"KD helped where a --loss clip model stayed far below the reference over many epochs on the same "
-                 f"data (zero-shot in all 3 such settings, recall in 2), and cost recall at large batches over few "
-                 f"epochs, both with drrho's KD at a quarter of the weight --distill-weight 0.5 gives it today; at "
-                 f"0.5, 1.19x clip's recall at 8 seeds in one such setting (1.20x with the full shift).")
+                 f"data (zero-shot in all 3 such settings, recall in 2, with drrho's KD at a quarter of the weight "
+                 f"--distill-weight 0.5 gives it today; at 0.5, 1.19x clip's recall at 8 seeds in one of them), and "
+                 f"cost at batches of 512 and more over 48 steps, more at 0.5 than at that quarter (recall at batch "
+                 f"2048, zero-shot at 512): a short run wants it off.")
     return lines
 
 
